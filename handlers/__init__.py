@@ -1,0 +1,37 @@
+"""cairn.handlers: what is saved and how, one handler per kind of item.
+
+The two-phase `Handler` protocol (snapshot on the caller's thread, write on the commit thread),
+the type registry, the built-in handlers and the error tree. Never imports cairn.manager.
+"""
+
+import numpy as np
+
+from cairn.handlers import errors
+from cairn.handlers._files import ChecksummedFile, FileRecord, StoredItem, write_file
+from cairn.handlers._json import JsonHandler
+from cairn.handlers._memory import InMemoryHandler
+from cairn.handlers._numpy_tree import NumpyTreeHandler
+from cairn.handlers._protocol import Handler, Snapshot
+from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
+
+__all__ = [
+    "ChecksummedFile",
+    "FileRecord",
+    "Handler",
+    "InMemoryHandler",
+    "JsonHandler",
+    "NumpyTreeHandler",
+    "Snapshot",
+    "StoredItem",
+    "errors",
+    "handler_by_id",
+    "handler_for",
+    "register",
+    "registered_types",
+    "write_file",
+]
+
+# Built-in defaults. JsonHandler is known by id only: it is never picked from an item's type, only
+# named in handlers= (or found by id when a step it wrote is restored).
+register(NumpyTreeHandler(), dict, list, tuple, np.ndarray, np.generic)
+register(JsonHandler())

@@ -1,0 +1,145 @@
+"""Files with checksums computed while writing, verified reads, and fsync helpers.
+
+A handler's write phase returns one `FileRecord` per file it wrote; the manager puts them in the
+manifest, and `StoredItem.read_bytes` checks size and crc32c on the way back in. The checksum is
+always computed from the bytes as they are written, never by reading the file again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import crc32c
+
+from cairn.handlers.errors import CorruptCheckpointError
+
+__all__ = ["ChecksummedFile", "FileRecord", "StoredItem", "fsync_dir", "write_file"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One file a handler wrote: its path relative to the item's directory, size and crc32c."""
+
+    path: str
+    size: int
+    crc32c: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> FileRecord:
+        path, size, crc = obj["path"], obj["size"], obj["crc32c"]
+        if not isinstance(path, str) or not isinstance(size, int) or not isinstance(crc, int):
+            raise TypeError(f"malformed file record {dict(obj)!r}")
+        return cls(path, size, crc)
+
+
+def _check_relative(relpath: str) -> None:
+    parts = relpath.split("/")
+    if not relpath or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(
+            f"file path {relpath!r} must be relative, without '.', '..' or empty parts"
+        )
+
+
+class ChecksummedFile:
+    """A binary file opened for writing that tracks its size and crc32c as bytes go through.
+
+    Use as a context manager; `record` is valid after it closes. It does not fsync: the manager
+    fsyncs the whole temporary tree once, after every item is written.
+    """
+
+    def __init__(self, root: Path, relpath: str) -> None:
+        _check_relative(relpath)
+        self._relpath = relpath
+        path = root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "xb")  # noqa: SIM115 - closed by close()/__exit__
+        self._crc = 0
+        self._size = 0
+        self._record: FileRecord | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        self._crc = crc32c.crc32c(view, self._crc)
+        self._size += view.nbytes
+        return self._file.write(view)
+
+    def close(self) -> None:
+        if self._record is None:
+            self._file.close()
+            self._record = FileRecord(self._relpath, self._size, self._crc)
+
+    @property
+    def record(self) -> FileRecord:
+        if self._record is None:
+            raise RuntimeError(f"{self._relpath}: record asked before the file was closed")
+        return self._record
+
+    def __enter__(self) -> ChecksummedFile:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def write_file(root: Path, relpath: str, data: bytes) -> FileRecord:
+    """Write `data` to `root/relpath` (which must not exist) and return its record."""
+    with ChecksummedFile(root, relpath) as f:
+        f.write(data)
+    return f.record
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredItem:
+    """What a handler's restore and describe get: one item of one committed step.
+
+    `files` maps each path (relative to `directory`) to the record the write phase returned;
+    `read_bytes` verifies against it and raises CorruptCheckpointError naming step, item and file.
+    """
+
+    directory: Path
+    files: Mapping[str, FileRecord]
+    step: int | None = None
+    name: str = ""
+
+    def describe_file(self, relpath: str) -> str:
+        where = f"step {self.step}, " if self.step is not None else ""
+        return f"{where}item {self.name!r}, file {self.directory / relpath}"
+
+    def read_bytes(self, relpath: str) -> bytes:
+        record = self.files.get(relpath)
+        if record is None:
+            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is not in the manifest")
+        try:
+            data = (self.directory / relpath).read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
+        if len(data) != record.size:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} has {len(data)} bytes, the manifest says {record.size}"
+            )
+        crc = crc32c.crc32c(data)
+        if crc != record.crc32c:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} fails its crc32c check "
+                f"(got {crc:#010x}, the manifest says {record.crc32c:#010x})"
+            )
+        return data

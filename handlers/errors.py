@@ -1,0 +1,79 @@
+"""Every error cairn raises on purpose, in one module.
+
+The tree (each also subclasses the builtin in brackets, so ``except LookupError`` and friends work)::
+
+    CairnError
+    ├── StepNotFoundError         [LookupError]       no such committed step
+    ├── ItemNotFoundError         [LookupError]       the step has no such item (or it was dropped)
+    ├── StepAlreadyExistsError    [FileExistsError]   the step is committed or being committed
+    ├── CorruptCheckpointError    [ValueError]        a file is missing, truncated or fails its checksum
+    ├── MismatchError             [ValueError]        target and checkpoint disagree (structure, shape, dtype)
+    ├── UnsupportedFormatError    [ValueError]        e.g. a manifest written by a newer format version
+    ├── ReadOnlyError             [PermissionError]   a write on a manager opened with read_only=True
+    ├── DirectoryLockedError      [RuntimeError]      another writer holds the directory
+    ├── CommitError               [RuntimeError]      a background commit failed (the original is chained)
+    └── BarrierTimeoutError       [TimeoutError]      a process did not reach a barrier in time
+
+Invalid arguments raise plain ``ValueError`` / ``TypeError`` naming the argument and the value.
+``cairn.manager`` re-exports all of these, so both layers raise and catch the same types.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BarrierTimeoutError",
+    "CairnError",
+    "CommitError",
+    "CorruptCheckpointError",
+    "DirectoryLockedError",
+    "ItemNotFoundError",
+    "MismatchError",
+    "ReadOnlyError",
+    "StepAlreadyExistsError",
+    "StepNotFoundError",
+    "UnsupportedFormatError",
+]
+
+
+class CairnError(Exception):
+    """Base class of every error cairn raises on purpose."""
+
+
+class StepNotFoundError(CairnError, LookupError):
+    """The requested step is not committed in the directory."""
+
+
+class ItemNotFoundError(CairnError, LookupError):
+    """The step exists but does not hold the requested item."""
+
+
+class StepAlreadyExistsError(CairnError, FileExistsError):
+    """A save was asked for a step that is already committed or in flight."""
+
+
+class CorruptCheckpointError(CairnError, ValueError):
+    """A committed step is damaged: the message names the step and the file."""
+
+
+class MismatchError(CairnError, ValueError):
+    """A restore target disagrees with the checkpoint; the message names the key path."""
+
+
+class UnsupportedFormatError(CairnError, ValueError):
+    """The checkpoint was written in a format (or by a handler version) this cairn cannot read."""
+
+
+class ReadOnlyError(CairnError, PermissionError):
+    """A write was asked of a manager opened with ``read_only=True``."""
+
+
+class DirectoryLockedError(CairnError, RuntimeError):
+    """Another writable manager (possibly in another process) holds the directory."""
+
+
+class CommitError(CairnError, RuntimeError):
+    """A background commit failed; the original exception is chained as ``__cause__``."""
+
+
+class BarrierTimeoutError(CairnError, TimeoutError):
+    """A process did not arrive at a multi-process barrier within the timeout."""

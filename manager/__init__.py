@@ -1,0 +1,66 @@
+"""cairn.manager: when and whether to save, the crash-safe commit, retention, metrics, restore.
+
+from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest
+"""
+
+from cairn.manager import errors
+from cairn.manager._format import FORMAT_VERSION
+from cairn.manager._manager import CheckpointManager, ItemInfo, StepInfo
+from cairn.manager._policies import (
+    AnyOf,
+    AtSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    KeepPolicy,
+    SaveContext,
+    SavePolicy,
+    StepView,
+)
+from cairn.manager.errors import (
+    BarrierTimeoutError,
+    CairnError,
+    CommitError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    ItemNotFoundError,
+    MismatchError,
+    ReadOnlyError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    UnsupportedFormatError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AnyOf",
+    "AtSteps",
+    "BarrierTimeoutError",
+    "CairnError",
+    "CheckpointManager",
+    "CommitError",
+    "CorruptCheckpointError",
+    "DirectoryLockedError",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "ItemInfo",
+    "ItemNotFoundError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "KeepPolicy",
+    "MismatchError",
+    "ReadOnlyError",
+    "SaveContext",
+    "SavePolicy",
+    "StepAlreadyExistsError",
+    "StepInfo",
+    "StepNotFoundError",
+    "StepView",
+    "UnsupportedFormatError",
+    "errors",
+]

@@ -1,0 +1,161 @@
+"""The commit protocol on a POSIX filesystem, and the deletion that undoes it.
+
+Every function here is called on the commit thread (or the caller's, for synchronous saves),
+except `clean_leftovers`, which the manager calls once at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cairn.handlers import FileRecord, Handler, Snapshot, write_file
+from cairn.handlers._files import fsync_dir
+from cairn.manager._format import (
+    MANIFEST,
+    METRICS,
+    TRASH_PREFIX,
+    ItemEntry,
+    Manifest,
+    StepNames,
+    dump_checked,
+    trash_name,
+)
+
+log = logging.getLogger("cairn")
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """One save as the caller thread hands it to the commit thread."""
+
+    step: int
+    snapshots: Mapping[str, tuple[Handler, Snapshot]]
+    metrics: Mapping[str, float]
+    metadata: Mapping[str, Any]
+    started_at: float
+    blocked_s: float
+
+
+def commit_step(root: Path, names: StepNames, job: SaveJob) -> Manifest:
+    """Write one step and commit it; on any failure nothing new is visible and the tmp dir is gone.
+
+    The order is the whole point: items first, the manifest last, everything fsynced, then one
+    rename. A reader (or a restart after SIGKILL) sees either no step or a complete one, because
+    the final name appears only through the atomic rename of a directory whose contents and
+    manifest are already durable; rename refuses to replace an existing step directory.
+    """
+    t0 = time.monotonic()
+    tmp = root / names.temporary(job.step)
+    final = root / names.format(job.step)
+    tmp.mkdir()
+    try:
+        items: dict[str, ItemEntry] = {}
+        for name, (handler, snapshot) in job.snapshots.items():
+            item_dir = tmp / name
+            item_dir.mkdir()
+            records = tuple(snapshot.write(item_dir))
+            _check_records(item_dir, handler, records)
+            items[name] = ItemEntry(handler.id, handler.version, records)
+        size = sum(entry.bytes for entry in items.values())
+        write_s = time.monotonic() - t0
+        manifest = Manifest(
+            step=job.step,
+            items=items,
+            started_at=job.started_at,
+            committed_at=time.time(),
+            metrics=dict(job.metrics),
+            metadata=dict(job.metadata),
+            telemetry={"blocked_s": job.blocked_s, "write_s": write_s, "bytes": float(size)},
+        )
+        write_file(tmp, MANIFEST, manifest.to_bytes())
+        fsync_tree(tmp)
+        os.rename(tmp, final)  # the commit point
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root)  # make the new name itself durable
+    return manifest
+
+
+def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, ...]) -> None:
+    """A handler's records must name distinct files it really wrote, at the size it says."""
+    seen = set()
+    for record in records:
+        if not isinstance(record, FileRecord):
+            raise TypeError(f"handler {handler.id!r} returned {record!r}, not a FileRecord")
+        if record.path in seen:
+            raise ValueError(f"handler {handler.id!r} returned {record.path!r} twice")
+        seen.add(record.path)
+        size = (item_dir / record.path).stat().st_size
+        if size != record.size:
+            raise ValueError(
+                f"handler {handler.id!r} says {record.path!r} has {record.size} bytes, "
+                f"the file has {size}"
+            )
+
+
+def fsync_tree(top: Path) -> None:
+    """fsync every file and directory under `top`, children before parents."""
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_metrics(step_dir: Path, metrics: Mapping[str, float]) -> None:
+    """Replace ``metrics.json`` of a committed step atomically (tmp file, fsync, rename)."""
+    tmp = step_dir / f".{METRICS}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(dump_checked({"metrics": dict(metrics)}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, step_dir / METRICS)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(step_dir)
+
+
+def delete_step(root: Path, name: str) -> None:
+    """Remove a committed step: rename it to trash (atomic: it stops being a step), then rmtree.
+
+    A crash between the two leaves a ``.trash-*`` directory, which the next start removes.
+    """
+    trash = root / trash_name(name)
+    os.rename(root / name, trash)
+    fsync_dir(root)
+    shutil.rmtree(trash)
+
+
+def clean_leftovers(root: Path, names: StepNames) -> list[str]:
+    """Remove temporary and trash entries a crashed writer left behind; returns their names."""
+    removed = []
+    for entry in os.scandir(root):
+        if entry.name.startswith(TRASH_PREFIX) or names.is_temporary(entry.name):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed.append(entry.name)
+    for entry in os.scandir(root):  # half-written metrics.json replacements inside steps
+        if entry.is_dir(follow_symlinks=False) and names.parse(entry.name) is not None:
+            for inner in os.scandir(entry.path):
+                if inner.name.startswith(f".{METRICS}.tmp-"):
+                    os.unlink(inner.path)
+                    removed.append(f"{entry.name}/{inner.name}")
+    if removed:
+        fsync_dir(root)
+        log.info("cairn: removed %d leftover entries in %s: %s", len(removed), root, removed)
+    return removed

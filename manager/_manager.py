@@ -1,0 +1,739 @@
+"""CheckpointManager: when to save, the commit thread, retention, metrics, restore."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
+from cairn.handlers.errors import (
+    CommitError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    ItemNotFoundError,
+    ReadOnlyError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    UnsupportedFormatError,
+)
+from cairn.manager import _commit
+from cairn.manager._format import (
+    LOCK,
+    MANIFEST,
+    METRICS,
+    Manifest,
+    StepNames,
+    check_metadata,
+    check_metrics,
+    load_checked,
+)
+from cairn.manager._policies import (
+    EveryNSteps,
+    KeepAll,
+    KeepPolicy,
+    SaveContext,
+    SavePolicy,
+    StepView,
+    find_keep_best,
+    policy_kind,
+    steps_to_delete,
+)
+from cairn.manager._validate import as_step, check_item_name, check_items
+
+log = logging.getLogger("cairn")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemInfo:
+    """One item of a committed step, as its manifest describes it."""
+
+    handler: str
+    version: int
+    bytes: int
+    files: tuple[str, ...]
+    dropped: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What `CheckpointManager.info(step)` returns.
+
+    `telemetry` holds ``blocked_s`` (time save() held the caller), ``write_s`` (item writes on the
+    commit thread), ``bytes``, and, for steps this manager saved, ``commit_s`` (commit thread start
+    to rename done, retention excluded) and ``bytes_per_s``.
+    """
+
+    step: int
+    path: Path
+    started_at: float
+    committed_at: float
+    items: Mapping[str, ItemInfo]
+    metrics: Mapping[str, float]
+    metadata: Mapping[str, Any]
+    telemetry: Mapping[str, float]
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.items.values())
+
+
+@dataclasses.dataclass
+class _Step:
+    """A committed step as the manager knows it: its manifest, or why it is unreadable."""
+
+    manifest: Manifest | None
+    error: Exception | None = None
+    late_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        base = dict(self.manifest.metrics) if self.manifest else {}
+        return {**base, **self.late_metrics}
+
+
+class CheckpointManager:
+    """Saves steps of a training run into one directory and brings them back.
+
+    Typical use::
+
+        with CheckpointManager(workdir, save=EveryNSteps(1000), keep=KeepLatest(3)) as mgr:
+            state = mgr.restore()["state"] if mgr.latest_step() is not None else init()
+            for step in ...:
+                if mgr.should_save(step):
+                    mgr.save(step, {"state": state}, metrics={"loss": loss})
+
+    Concurrency: call the public methods from one thread (the training loop); the manager is not
+    thread-safe. Each manager owns one commit thread ("cairn-commit"), which runs the write phase of
+    saves, the commit, retention, `record_metrics`, `delete` and `reload` -- every change to the
+    directory -- in submission order, so they never interleave. `save()` returns after the
+    snapshot phase; at most `max_pending` saves are in flight, and a further save waits (counted as
+    blocked time). State shared with the commit thread (known steps, steps in flight, errors) is
+    guarded by one lock. An error on the commit thread is kept and raised once, as CommitError with
+    the original chained, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
+
+    Processes: one writable manager per directory, enforced by an advisory lock on
+    ``<directory>/.cairn.lock`` (DirectoryLockedError otherwise); any number of
+    ``read_only=True`` managers may read alongside it.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        handlers: Mapping[str, Handler] | None = None,
+        best: tuple[str, Literal["min", "max"]] | None = None,
+        step_prefix: str = "checkpoint",
+        step_digits: int | None = None,
+        async_save: bool = True,
+        max_pending: int = 1,
+        read_only: bool = False,
+    ) -> None:
+        self._root = _check_directory(directory)
+        self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
+        if policy_kind(self._save_policy) != "save":
+            raise TypeError(
+                f"save= must be a save policy (EveryNSteps, AtSteps, ...), got {save!r}"
+            )
+        self._keep: KeepPolicy = KeepAll() if keep is None else keep
+        if policy_kind(self._keep) != "keep":
+            raise TypeError(
+                f"keep= must be a keep policy (KeepLatest, KeepBest, ...), got {keep!r}"
+            )
+        self._handlers = _check_handlers(handlers)
+        self._best = _check_best(best)
+        self._names = StepNames(step_prefix, step_digits)
+        for flag, value in (("async_save", async_save), ("read_only", read_only)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        self._async = async_save
+        self._read_only = read_only
+
+        self._lock = threading.Lock()
+        self._steps: dict[int, _Step] = {}
+        self._inflight: set[int] = set()
+        self._errors: list[tuple[str, BaseException]] = []
+        self._commit_telemetry: dict[int, dict[str, float]] = {}
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock_fd: int | None = None
+        self._closed = False
+
+        if not read_only:
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _acquire_lock(self._root)
+            _commit.clean_leftovers(self._root, self._names)
+            if async_save:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="cairn-commit"
+                )
+        self._steps = self._scan()
+        newest = self._newest_intact()
+        self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def directory(self) -> Path:
+        return self._root
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    def __repr__(self) -> str:
+        mode = "read_only" if self._read_only else ("async" if self._async else "sync")
+        return f"CheckpointManager({str(self._root)!r}, {mode}, steps={self.all_steps()})"
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: Any) -> bool:
+        """Whether the save policy wants `step` saved; False for steps at or below the newest."""
+        step = as_step(step)
+        with self._lock:
+            known = set(self._steps) | self._inflight
+        if step in known or (known and step <= max(known)):
+            return False
+        context = SaveContext(
+            latest_step=max(known) if known else None,
+            last_save_time=self._last_save_time,
+            now=time.time(),
+        )
+        return bool(self._save_policy.should_save(step, context))
+
+    def save(
+        self,
+        step: Any,
+        items: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save `items` as `step` if the policy says so (or `force`); True if a save started.
+
+        Runs each item's snapshot on this thread, then hands the write and commit to the commit
+        thread (or runs them here when ``async_save=False``, raising their errors directly).
+        Raises StepAlreadyExistsError for a committed or in-flight step, with or without `force`.
+        Every argument is checked before anything is captured or written.
+        """
+        entered = time.monotonic()
+        self._check_writable("save")
+        self.check_for_errors()
+        step = as_step(step)
+        items = check_items(items)
+        if not items:
+            raise ValueError("items is empty: give at least one item, e.g. {'state': state}")
+        metrics = check_metrics(metrics) if metrics is not None else {}
+        metadata = check_metadata(metadata) if metadata is not None else {}
+        if not isinstance(force, bool):
+            raise TypeError(f"force must be a bool, got {force!r}")
+        handlers = {
+            name: self._handlers.get(name) or handler_for(obj) for name, obj in items.items()
+        }
+        with self._lock:
+            if step in self._steps or step in self._inflight:
+                state = "committed" if step in self._steps else "being committed"
+                raise StepAlreadyExistsError(f"step {step} is already {state} in {self._root}")
+        if not force and not self.should_save(step):
+            return False
+
+        waited = time.monotonic()
+        self._slots.acquire()  # at most max_pending saves in flight
+        waited = time.monotonic() - waited
+        if waited > 0.001:
+            log.info(
+                "cairn: save of step %d waited %.1f ms for a pending commit", step, waited * 1e3
+            )
+        try:
+            self.check_for_errors()  # the commit we waited for may have failed
+            snapshots = {
+                name: (handlers[name], handlers[name].snapshot(obj)) for name, obj in items.items()
+            }
+        except BaseException:
+            self._slots.release()
+            raise
+        started_at = time.time()
+        self._last_save_time = started_at
+        job = _commit.SaveJob(
+            step=step,
+            snapshots=snapshots,
+            metrics=metrics,
+            metadata=metadata,
+            started_at=started_at,
+            blocked_s=time.monotonic() - entered,
+        )
+        with self._lock:
+            self._inflight.add(step)
+        if self._executor is None:
+            self._run_save(job, reraise=True)
+        else:
+            self._executor.submit(self._run_save, job, reraise=False)
+        return True
+
+    def _run_save(self, job: _commit.SaveJob, *, reraise: bool) -> None:
+        """Commit thread: commit one step, then apply retention. Errors are kept for the caller."""
+        t0 = time.monotonic()
+        try:
+            try:
+                manifest = _commit.commit_step(self._root, self._names, job)
+            except BaseException as e:
+                with self._lock:
+                    self._inflight.discard(job.step)
+                if reraise:
+                    raise
+                self._keep_error(f"the commit of step {job.step}", e)
+                return
+            commit_s = time.monotonic() - t0
+            size = manifest.telemetry.get("bytes", 0.0)
+            with self._lock:
+                self._steps[job.step] = _Step(manifest)
+                self._inflight.discard(job.step)
+                self._commit_telemetry[job.step] = {
+                    "commit_s": commit_s,
+                    "bytes_per_s": size / commit_s if commit_s > 0 else 0.0,
+                }
+            log.info(
+                "cairn: committed step %d: blocked %.1f ms, commit %.1f ms, %.0f bytes",
+                job.step,
+                job.blocked_s * 1e3,
+                commit_s * 1e3,
+                size,
+            )
+            try:
+                self._apply_retention()
+            except Exception as e:
+                if reraise:
+                    raise
+                self._keep_error(f"retention after step {job.step}", e)
+        finally:
+            self._slots.release()
+
+    def _keep_error(self, what: str, error: BaseException) -> None:
+        log.error("cairn: %s failed: %r", what, error)
+        with self._lock:
+            self._errors.append((what, error))
+
+    def _apply_retention(self) -> None:
+        """Commit thread: delete the committed steps the keep policy does not keep."""
+        with self._lock:
+            views = [
+                StepView(s, rec.manifest.committed_at, rec.metrics)
+                for s, rec in self._steps.items()
+                if rec.manifest is not None
+            ]
+        for step in steps_to_delete(views, self._keep):
+            log.info("cairn: retention deletes step %d", step)
+            self._delete_now(step)
+
+    def _delete_now(self, step: int) -> None:
+        _commit.delete_step(self._root, self._names.format(step))
+        with self._lock:
+            self._steps.pop(step, None)
+            self._commit_telemetry.pop(step, None)
+
+    def _on_commit_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn` after every pending commit, on the commit thread when there is one."""
+        if self._executor is None:
+            return fn()
+        return self._executor.submit(fn).result()
+
+    # ------------------------------------------------------------------ waiting and errors
+
+    def wait_until_finished(self) -> None:
+        """Block until pending commits and the retention after them are done; raise their error."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()  # FIFO: every earlier job has finished
+        self.check_for_errors()
+
+    def check_for_errors(self) -> None:
+        """Raise CommitError (once) if a background commit or retention failed since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            what, first = errors[0]
+            more = (
+                f" (and {len(errors) - 1} later failures: {[w for w, _ in errors[1:]]})"
+                if len(errors) > 1
+                else ""
+            )
+            raise CommitError(f"{what} failed: {first!r}{more}") from first
+
+    def close(self) -> None:
+        """Wait for pending commits, release the directory; raise a pending commit error if any."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reading
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, sorted (a damaged step is listed too; `restore` tells it apart)."""
+        with self._lock:
+            return sorted(self._steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(
+        self,
+        step: Any = None,
+        items: Mapping[str, Any] | None = None,
+        *,
+        fallback: bool = True,
+    ) -> dict[str, Any]:
+        """Restore a step: the newest intact one (None), ``"best"``, or a given step number.
+
+        `items`: None restores every item without targets; otherwise a mapping of the items wanted
+        to a target each (None for no target). Returns ``{name: restored}`` for those items.
+        With ``step=None`` a damaged newest step is skipped with a logged warning in favour of the
+        next one, unless ``fallback=False``; a given step that is damaged always raises
+        CorruptCheckpointError naming the file.
+        """
+        if not isinstance(fallback, bool):
+            raise TypeError(f"fallback must be a bool, got {fallback!r}")
+        wanted = None if items is None else check_items(items)
+        if isinstance(step, str):
+            if step != "best":
+                raise ValueError(f"step must be None, 'best' or an integer, got {step!r}")
+            best = self.best_step()
+            if best is None:
+                metric, _ = self._best_rule()
+                raise StepNotFoundError(f"no step in {self._root} has metric {metric!r}")
+            return self._restore_step(best, wanted)
+        if step is not None:
+            step = as_step(step)
+            self._wait_if_inflight(step)
+            if step not in self.all_steps():
+                raise StepNotFoundError(self._missing(step))
+            return self._restore_step(step, wanted)
+        candidates = self.all_steps()[::-1]
+        if not candidates:
+            raise StepNotFoundError(f"no committed step in {self._root}")
+        for s in candidates:
+            try:
+                return self._restore_step(s, wanted)
+            except CorruptCheckpointError as e:
+                if not fallback:
+                    raise
+                log.warning("cairn: step %d is damaged, falling back to an older step: %s", s, e)
+        raise CorruptCheckpointError(
+            f"every step in {self._root} is damaged ({candidates}); see the warnings above"
+        )
+
+    def _restore_step(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
+        manifest = self._manifest(step)
+        step_dir = self._root / self._names.format(step)
+        if wanted is None:
+            wanted = {n: None for n, e in manifest.items.items() if not e.dropped}
+        for name in wanted:
+            entry = manifest.items.get(name)
+            if entry is None:
+                raise ItemNotFoundError(
+                    f"step {step} has no item {name!r}; it has {sorted(manifest.items)}"
+                )
+            if entry.dropped:
+                raise ItemNotFoundError(f"item {name!r} of step {step} was dropped by retention")
+        restored = {}
+        for name, target in wanted.items():
+            entry = manifest.items[name]
+            handler = self._handlers.get(name) or handler_by_id(entry.handler)
+            if handler.id == entry.handler and entry.version > handler.version:
+                raise UnsupportedFormatError(
+                    f"item {name!r} of step {step} was written by {entry.handler!r} version "
+                    f"{entry.version}; this cairn has version {handler.version}"
+                )
+            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
+            for record in entry.files:  # a missing or truncated file fails before any parsing
+                path = stored.directory / record.path
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{stored.describe_file(record.path)} is missing"
+                    ) from None
+                if size != record.size:
+                    raise CorruptCheckpointError(
+                        f"{stored.describe_file(record.path)} has {size} bytes, "
+                        f"the manifest says {record.size}"
+                    )
+            restored[name] = handler.restore(stored, target)
+        return restored
+
+    def _manifest(self, step: int) -> Manifest:
+        with self._lock:
+            rec = self._steps.get(step)
+        if rec is None:
+            raise StepNotFoundError(self._missing(step))
+        if rec.manifest is None:
+            assert rec.error is not None
+            raise type(rec.error)(str(rec.error))
+        return rec.manifest
+
+    def _missing(self, step: int) -> str:
+        steps = self.all_steps()
+        shown = steps if len(steps) <= 10 else [*steps[:3], "...", *steps[-5:]]
+        return f"step {step} is not committed in {self._root} (committed: {shown})"
+
+    def _wait_if_inflight(self, step: int) -> None:
+        with self._lock:
+            inflight = step in self._inflight
+        if inflight:
+            self.wait_until_finished()
+
+    def info(self, step: Any) -> StepInfo:
+        """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
+        step = as_step(step)
+        self._wait_if_inflight(step)
+        manifest = self._manifest(step)
+        with self._lock:
+            metrics = self._steps[step].metrics
+            telemetry = {**manifest.telemetry, **self._commit_telemetry.get(step, {})}
+        return StepInfo(
+            step=step,
+            path=self._root / self._names.format(step),
+            started_at=manifest.started_at,
+            committed_at=manifest.committed_at,
+            items={
+                name: ItemInfo(
+                    e.handler, e.version, e.bytes, tuple(f.path for f in e.files), e.dropped
+                )
+                for name, e in manifest.items.items()
+            },
+            metrics=metrics,
+            metadata=manifest.metadata,
+            telemetry=telemetry,
+        )
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self, step: Any) -> dict[str, float]:
+        """The metrics of a step: those given to save, updated by record_metrics (later wins)."""
+        step = as_step(step)
+        self._wait_if_inflight(step)
+        self._manifest(step)
+        with self._lock:
+            return self._steps[step].metrics
+
+    def record_metrics(self, step: Any, metrics: Mapping[str, Any]) -> None:
+        """Merge late metrics (say, from an evaluation) into a committed step's ``metrics.json``.
+
+        Waits for a commit of `step` still in flight; StepNotFoundError for an unknown step.
+        Retention runs again afterwards, so KeepBest sees the new values.
+        """
+        self._check_writable("record_metrics")
+        step = as_step(step)
+        new = check_metrics(metrics)
+
+        def update() -> None:
+            with self._lock:
+                rec = self._steps.get(step)
+            if rec is None:
+                raise StepNotFoundError(self._missing(step))
+            if rec.manifest is None:
+                self._manifest(step)  # raises the step's own error
+            merged = {**rec.late_metrics, **new}
+            _commit.write_metrics(self._root / self._names.format(step), merged)
+            with self._lock:
+                rec.late_metrics = merged
+            self._apply_retention()
+
+        self._on_commit_thread(update)
+
+    def best_step(self) -> int | None:
+        """The intact step with the best value of the `best=` metric (or the KeepBest one)."""
+        metric, mode = self._best_rule()
+        with self._lock:
+            scored = [
+                (s, rec.metrics[metric])
+                for s, rec in self._steps.items()
+                if rec.manifest is not None
+                and metric in rec.metrics
+                and rec.metrics[metric] == rec.metrics[metric]
+            ]
+        if not scored:
+            return None
+        sign = 1.0 if mode == "min" else -1.0
+        return min(scored, key=lambda sv: (sign * sv[1], -sv[0]))[0]
+
+    def _best_rule(self) -> tuple[str, str]:
+        if self._best is not None:
+            return self._best
+        bests = find_keep_best(self._keep)
+        if len(bests) == 1:
+            return bests[0].metric, bests[0].mode
+        raise ValueError(
+            "best_step() needs best=(metric, mode) or exactly one KeepBest in keep=; "
+            f"keep={self._keep!r}"
+        )
+
+    # ------------------------------------------------------------------ changing the directory
+
+    def delete(self, step: Any) -> None:
+        """Delete a committed step (after pending commits): rename to trash, then remove."""
+        self._check_writable("delete")
+        step = as_step(step)
+
+        def remove() -> None:
+            with self._lock:
+                known = step in self._steps
+            if not known:
+                raise StepNotFoundError(self._missing(step))
+            self._delete_now(step)
+
+        self._on_commit_thread(remove)
+
+    def reload(self) -> None:
+        """Read the directory again (after pending commits), e.g. to see another writer's steps."""
+        steps = self._on_commit_thread(self._scan)
+        with self._lock:
+            self._steps = steps
+
+    def _check_writable(self, what: str) -> None:
+        if self._read_only:
+            raise ReadOnlyError(
+                f"{what}: this manager of {self._root} was opened with read_only=True"
+            )
+        if self._closed:
+            raise RuntimeError(f"{what}: this manager of {self._root} is closed")
+
+    def _scan(self) -> dict[int, _Step]:
+        """Every committed step on disk, with its manifest or the reason it cannot be read."""
+        steps: dict[int, _Step] = {}
+        try:
+            entries = list(os.scandir(self._root))
+        except FileNotFoundError:
+            return steps
+        for entry in entries:
+            step = self._names.parse(entry.name)
+            if step is None or not entry.is_dir():
+                continue
+            steps[step] = self._read_step(step, Path(entry.path))
+        return steps
+
+    def _read_step(self, step: int, path: Path) -> _Step:
+        where = f"manifest {path / MANIFEST} of step {step}"
+        try:
+            manifest = Manifest.from_bytes((path / MANIFEST).read_bytes(), where)
+        except FileNotFoundError:
+            return _Step(None, CorruptCheckpointError(f"step {step} at {path} has no manifest"))
+        except (CorruptCheckpointError, UnsupportedFormatError) as e:
+            return _Step(None, e)
+        if manifest.step != step:
+            error = CorruptCheckpointError(f"{where} says step {manifest.step}")
+            return _Step(None, error)
+        late: dict[str, float] = {}
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                data = (path / METRICS).read_bytes()
+                late = check_metrics(load_checked(data, str(path / METRICS))["metrics"])
+            except (CorruptCheckpointError, KeyError, TypeError) as e:
+                log.warning(
+                    "cairn: ignoring unreadable %s (the manifest's metrics stand): %s",
+                    path / METRICS,
+                    e,
+                )
+        return _Step(manifest, late_metrics=late)
+
+    def _newest_intact(self) -> _Step | None:
+        for step in sorted(self._steps, reverse=True):
+            if self._steps[step].manifest is not None:
+                return self._steps[step]
+        return None
+
+
+def _check_directory(directory: Any) -> Path:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a str or path, got {type(directory).__qualname__}")
+    text = os.fspath(directory)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"directory must be a non-empty path, got {directory!r}")
+    if "://" in text:
+        raise ValueError(f"directory {text!r}: object-store URLs are not supported by this version")
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"directory {str(path)!r} exists and is not a directory")
+    return path
+
+
+def _check_handlers(handlers: Any) -> dict[str, Handler]:
+    if handlers is None:
+        return {}
+    if not isinstance(handlers, Mapping):
+        raise TypeError(f"handlers must be a mapping of item name to handler, got {handlers!r}")
+    out = {}
+    for name, handler in handlers.items():
+        check_item_name(name)
+        for attr in ("snapshot", "restore", "describe"):
+            if not callable(getattr(handler, attr, None)):
+                raise TypeError(f"handlers[{name!r}] = {handler!r} has no {attr}() method")
+        if not isinstance(getattr(handler, "id", None), str) or not isinstance(
+            getattr(handler, "version", None), int
+        ):
+            raise TypeError(
+                f"handlers[{name!r}] = {handler!r} needs a str `id` and an int `version`"
+            )
+        out[name] = handler
+    return out
+
+
+def _check_best(best: Any) -> tuple[str, Literal["min", "max"]] | None:
+    if best is None:
+        return None
+    if (
+        not isinstance(best, tuple)
+        or len(best) != 2
+        or not isinstance(best[0], str)
+        or not best[0]
+        or best[1] not in ("min", "max")
+    ):
+        raise ValueError(f"best must be (metric, 'min' | 'max'), got {best!r}")
+    return best[0], best[1]
+
+
+def _acquire_lock(root: Path) -> int:
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DirectoryLockedError(
+            f"{root} is held by another writable CheckpointManager (pid {holder}); "
+            "open it with read_only=True to read alongside"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -1,0 +1,293 @@
+"""When to save and what to keep: tiny frozen policy dataclasses with one method each.
+
+Save policies answer `should_save(step, context)`; keep policies answer `keep(steps)`, the set of
+committed steps they want kept. `AnyOf` composes either kind (not a mix): it saves when any part
+says save, and keeps what any part keeps. Main arguments are positional, options keyword-only;
+bad values raise ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, Protocol
+
+__all__ = [
+    "AnyOf",
+    "AtSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "KeepPolicy",
+    "SaveContext",
+    "SavePolicy",
+    "StepView",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveContext:
+    """What a save policy may look at besides the step.
+
+    `latest_step`: the newest committed (or in-flight) step, None if there is none.
+    `last_save_time`: wall-clock time (time.time()) the last save started, else the newest step's
+    save time read from its manifest, else None. `now`: the current time.
+    """
+
+    latest_step: int | None
+    last_save_time: float | None
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """What a keep policy may look at: a committed step, its metrics and when it was saved."""
+
+    step: int
+    time: float
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+class SavePolicy(Protocol):
+    def should_save(self, step: int, context: SaveContext) -> bool: ...
+
+
+class KeepPolicy(Protocol):
+    def keep(self, steps: Sequence[StepView]) -> set[int]: ...
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def _positive_number(owner: str, name: str, value: object) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+        raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- save policies
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSteps:
+    """Save when ``step % n == 0`` (step 0 included). Stateless, as Orbax's interval policy."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("EveryNSteps", "n", self.n)
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        del context
+        return step % self.n == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AtSteps:
+    """Save at exactly the listed steps."""
+
+    steps: frozenset[int]
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise ValueError(f"AtSteps: steps must be an iterable of ints, got {steps!r}")
+        values = list(steps)
+        for s in values:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or int(s) < 0:
+                raise ValueError(f"AtSteps: steps must be non-negative ints, got {s!r}")
+        object.__setattr__(self, "steps", frozenset(int(s) for s in values))
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        del context
+        return step in self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSeconds:
+    """Save when at least `seconds` passed since the last save started (or if none is known)."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _positive_number("EveryNSeconds", "seconds", self.seconds)
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        del step
+        last = context.last_save_time
+        return last is None or context.now - last >= self.seconds
+
+
+# ---------------------------------------------------------------------------- keep policies
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAll:
+    """Keep every committed step (the default)."""
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        return {s.step for s in steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatest:
+    """Keep the `n` newest steps (Orbax's max_to_keep, T5X's keep)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepLatest", "n", self.n)
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        return set(sorted(s.step for s in steps)[-self.n :])
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+    """Keep the `n` steps with the best value of `metric` (ties go to the newer step).
+
+    Steps that lack the metric are kept when `keep_without_metrics` (the default: an evaluation
+    may still be on its way), else left to the other policies. Late metrics (record_metrics) count.
+    """
+
+    n: int
+    metric: str
+    mode: Literal["min", "max"] = dataclasses.field(default="min", kw_only=True)
+    keep_without_metrics: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepBest", "n", self.n)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"KeepBest: metric must be a non-empty str, got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest: mode must be 'min' or 'max', got {self.mode!r}")
+        if not isinstance(self.keep_without_metrics, bool):
+            raise ValueError(
+                f"KeepBest: keep_without_metrics must be a bool, got {self.keep_without_metrics!r}"
+            )
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        scored = [s for s in steps if _has_metric(s, self.metric)]
+        sign = 1.0 if self.mode == "min" else -1.0
+        # Sort best first; among equal values the newer step first.
+        scored.sort(key=lambda s: (sign * float(s.metrics[self.metric]), -s.step))
+        kept = {s.step for s in scored[: self.n]}
+        if self.keep_without_metrics:
+            kept |= {s.step for s in steps if not _has_metric(s, self.metric)}
+        return kept
+
+
+def _has_metric(view: StepView, metric: str) -> bool:
+    value = view.metrics.get(metric)
+    return value is not None and not math.isnan(float(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery:
+    """Keep steps that are multiples of `steps`, or one step per `seconds` of save time.
+
+    ``KeepEvery(steps=k)`` is Orbax's keep_period and T5X's force_keep_period. With
+    ``KeepEvery(seconds=s)`` the oldest step is kept, then each step saved at least `s` seconds
+    after the previous kept one. Give exactly one of the two.
+    """
+
+    steps: int | None = dataclasses.field(default=None, kw_only=True)
+    seconds: float | None = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.seconds is None):
+            raise ValueError(
+                f"KeepEvery: give exactly one of steps= or seconds=, "
+                f"got steps={self.steps!r}, seconds={self.seconds!r}"
+            )
+        if self.steps is not None:
+            _positive_int("KeepEvery", "steps", self.steps)
+        if self.seconds is not None:
+            _positive_number("KeepEvery", "seconds", self.seconds)
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        if self.steps is not None:
+            return {s.step for s in steps if s.step % self.steps == 0}
+        assert self.seconds is not None
+        kept: set[int] = set()
+        last: float | None = None
+        for view in sorted(steps, key=lambda s: (s.time, s.step)):
+            if last is None or view.time - last >= self.seconds:
+                kept.add(view.step)
+                last = view.time
+        return kept
+
+
+# ---------------------------------------------------------------------------- composition
+
+
+@dataclasses.dataclass(frozen=True)
+class AnyOf:
+    """Save when any save policy says so, or keep what any keep policy keeps. Not a mix of kinds."""
+
+    policies: tuple[SavePolicy, ...] | tuple[KeepPolicy, ...]
+
+    def __init__(self, *policies: SavePolicy | KeepPolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf: give at least one policy")
+        kinds = [policy_kind(p) for p in policies]
+        for p, kind in zip(policies, kinds, strict=True):
+            if kind is None:
+                raise ValueError(f"AnyOf: {p!r} is neither a save policy nor a keep policy")
+        if len(set(kinds)) > 1:
+            raise ValueError("AnyOf: compose save policies or keep policies, not a mix")
+        object.__setattr__(self, "policies", tuple(policies))
+
+    @property
+    def kind(self) -> Literal["save", "keep"]:
+        kind = policy_kind(self.policies[0])
+        assert kind is not None
+        return kind
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        if self.kind != "save":
+            raise TypeError("AnyOf of keep policies has no should_save")
+        return any(p.should_save(step, context) for p in self.policies)  # type: ignore[union-attr]
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        if self.kind != "keep":
+            raise TypeError("AnyOf of save policies has no keep")
+        kept: set[int] = set()
+        for p in self.policies:
+            kept |= p.keep(steps)  # type: ignore[union-attr]
+        return kept
+
+
+def policy_kind(policy: object) -> Literal["save", "keep"] | None:
+    """Whether `policy` is a save policy, a keep policy, or neither (None)."""
+    if isinstance(policy, AnyOf):
+        return policy.kind
+    if callable(getattr(policy, "should_save", None)):
+        return "save"
+    if callable(getattr(policy, "keep", None)):
+        return "keep"
+    return None
+
+
+def find_keep_best(policy: KeepPolicy) -> list[KeepBest]:
+    """Every KeepBest inside a keep policy (used for best_step when best= is not given)."""
+    if isinstance(policy, KeepBest):
+        return [policy]
+    if isinstance(policy, AnyOf):
+        return [b for p in policy.policies for b in find_keep_best(p)]  # type: ignore[arg-type]
+    return []
+
+
+def steps_to_delete(views: Sequence[StepView], policy: KeepPolicy) -> list[int]:
+    """The committed steps retention removes: not kept by the policy and not the newest step."""
+    if not views:
+        return []
+    newest = max(v.step for v in views)
+    kept = policy.keep(views) | {newest}
+    return sorted(v.step for v in views if v.step not in kept)
