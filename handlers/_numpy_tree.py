@@ -99,6 +99,18 @@ class NumpyTreeHandler:
 
 
 def _encode(obj: Any, path: KeyPath, arrays: list[np.ndarray]) -> Any:
+    if isinstance(obj, np.generic) or _is_arraylike(obj):  # first: np.float64 is a float
+        arr = np.array(obj, copy=True)
+        if arr.dtype.hasobject:
+            raise TypeError(f"array at {keystr(path)} has dtype object, which cannot be stored")
+        arrays.append(arr)
+        kind = "npscalar" if isinstance(obj, np.generic) else "array"
+        return {
+            "t": kind,
+            "f": f"arrays/{len(arrays) - 1}.npy",
+            "shape": list(arr.shape),
+            "dtype": arr.dtype.str,
+        }
     if obj is None:
         return {"t": "none"}
     if isinstance(obj, bool):
@@ -123,18 +135,6 @@ def _encode(obj: Any, path: KeyPath, arrays: list[np.ndarray]) -> Any:
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
         return {"t": kind, "c": [_encode(v, (*path, i), arrays) for i, v in enumerate(obj)]}
-    if isinstance(obj, np.generic) or _is_arraylike(obj):
-        arr = np.array(obj, copy=True)
-        if arr.dtype.hasobject:
-            raise TypeError(f"array at {keystr(path)} has dtype object, which cannot be stored")
-        arrays.append(arr)
-        kind = "npscalar" if isinstance(obj, np.generic) else "array"
-        return {
-            "t": kind,
-            "f": f"arrays/{len(arrays) - 1}.npy",
-            "shape": list(arr.shape),
-            "dtype": arr.dtype.str,
-        }
     raise TypeError(
         f"leaf at {keystr(path)} is a {type(obj).__qualname__}, which NumpyTreeHandler cannot store"
     )
