@@ -67,8 +67,12 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 
 
 def _positive_number(owner: str, name: str, value: object) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+    try:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        ok = ok and math.isfinite(float(value)) and float(value) > 0  # type: ignore[arg-type]
+    except OverflowError:
+        ok = False
+    if not ok:
         raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
 
 
@@ -266,6 +270,8 @@ class AnyOf:
 
 def policy_kind(policy: object) -> Literal["save", "keep"] | None:
     """Whether `policy` is a save policy, a keep policy, or neither (None)."""
+    if isinstance(policy, type):  # a class, not an instance: AnyOf(KeepAll) is a mistake
+        return None
     if isinstance(policy, AnyOf):
         return policy.kind
     if callable(getattr(policy, "should_save", None)):

@@ -274,7 +274,7 @@ def damage_manifest(root: Path, step: int, how: str) -> None:
         path.write_text("{not json")
     elif how == "flip":  # still valid JSON: only the manifest's own checksum catches it
         text = path.read_text()
-        path.write_text(text.replace('"step": %d' % step, '"step": %d' % (step + 1000)))
+        path.write_text(text.replace(f'"step": {step}', f'"step": {step + 1000}'))
 
 
 @pytest.mark.parametrize("how", ["delete", "garbage", "flip"])

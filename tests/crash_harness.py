@@ -1,0 +1,126 @@
+"""SIGKILL a real writer process at random moments and check what it leaves behind.
+
+Reused by later crash tests: `run_trials` starts `crash_writer.py` over and over in one directory,
+waits until the writer reports saves, kills it after a random delay, then checks with a fresh
+manager that (1) only intact steps are listed and each restores equal to what was saved, (2) the
+writer advanced since the previous trial, (3) retention kept what it must, (4) no temporary or
+trash entry survives the next start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from crash_writer import eval_metric, expected_state
+from treeutil import assert_tree_equal
+
+from cairn.manager import CheckpointManager
+
+WRITER = Path(__file__).with_name("crash_writer.py")
+
+
+@dataclasses.dataclass
+class TrialStats:
+    trials: int = 0
+    steps_committed: int = 0
+    kills_with_leftovers: int = 0
+    max_delay_s: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.trials} trials, {self.steps_committed} steps committed in all, "
+            f"{self.kills_with_leftovers} kills left a temporary/trash entry that the next start removed"
+        )
+
+
+def run_trials(
+    root: Path,
+    trials: int,
+    *,
+    writer_args: tuple[str, ...] = (),
+    keep_latest: int = 0,
+    keep_best: int = 0,
+    min_saves: int = 1,
+    seed: int = 0,
+) -> TrialStats:
+    rng = random.Random(seed)
+    stats = TrialStats()
+    previous_latest = -1
+    args = [*writer_args]
+    if keep_latest:
+        args += ["--keep-latest", str(keep_latest)]
+    if keep_best:
+        args += ["--keep-best", str(keep_best)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for _ in range(trials):
+        proc = subprocess.Popen(
+            [sys.executable, str(WRITER), str(root), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert proc.stdout is not None
+        saved = []
+        while len(saved) < min_saves:  # the writer really saves before we kill it
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait()
+                raise AssertionError(f"writer exited early: {proc.stderr.read()}")  # type: ignore[union-attr]
+            saved.append(int(line.split()[1]))
+        delay = rng.uniform(0, 0.15)  # a random moment: the kill time, not a synchronisation
+        stats.max_delay_s = max(stats.max_delay_s, delay)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()  # type: ignore[union-attr]
+        assert proc.returncode == -signal.SIGKILL, proc.returncode
+
+        if any(_is_leftover(p.name) for p in root.iterdir()):
+            stats.kills_with_leftovers += 1
+        latest = check_directory(root, keep_latest=keep_latest, keep_best=keep_best)
+        assert latest > previous_latest, (
+            f"the writer did not advance: {latest} <= {previous_latest}"
+        )
+        stats.steps_committed += latest - previous_latest
+        previous_latest = latest
+        stats.trials += 1
+    return stats
+
+
+def _is_leftover(name: str) -> bool:
+    return ".tmp-" in name or name.startswith(".trash-")
+
+
+def check_directory(root: Path, *, keep_latest: int = 0, keep_best: int = 0) -> int:
+    """Open a fresh writer on `root` and check everything; returns the newest step."""
+    with CheckpointManager(root) as mgr:
+        leftover = [p.name for p in root.iterdir() if _is_leftover(p.name)]
+        assert leftover == [], f"left after restart: {leftover}"
+        steps = mgr.all_steps()
+        assert steps, "no step survived"
+        for step in steps:
+            got = mgr.restore(step, fallback=False)
+            assert_tree_equal(got["state"], expected_state(step))
+        latest = steps[-1]
+        must_keep = set()
+        if keep_latest:
+            must_keep |= set(range(max(0, latest - keep_latest + 1), latest + 1))
+        if keep_best and latest > 0:
+            # Every step below the newest had its eval recorded before the next save began, so the
+            # best of them (ties to the newer) is among the best `keep_best` of whatever exists.
+            earlier = range(latest)
+            must_keep.add(min(earlier, key=lambda s: (eval_metric(s), -s)))
+        missing = must_keep - set(steps)
+        assert not missing, f"retention lost {sorted(missing)}; on disk: {steps}"
+        if keep_latest and not keep_best:
+            assert len(steps) <= keep_latest + 1, f"retention left too many steps: {steps}"
+        return latest
