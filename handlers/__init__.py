@@ -4,7 +4,7 @@ The two-phase `Handler` protocol (snapshot on the caller's thread, write on the 
 the type registry, the built-in handlers and the error tree. Never imports cairn.manager.
 """
 
-import numpy as np
+import numpy as _np
 
 from cairn.handlers import errors
 from cairn.handlers._files import ChecksummedFile, FileRecord, StoredItem, write_file
@@ -33,5 +33,5 @@ __all__ = [
 
 # Built-in defaults. JsonHandler is known by id only: it is never picked from an item's type, only
 # named in handlers= (or found by id when a step it wrote is restored).
-register(NumpyTreeHandler(), dict, list, tuple, np.ndarray, np.generic)
+register(NumpyTreeHandler(), dict, list, tuple, _np.ndarray, _np.generic)
 register(JsonHandler())

@@ -103,7 +103,7 @@ def test_registry_picks_by_mro_and_refuses_conflicts() -> None:
     class Other(NumpyTreeHandler):
         id = "test.other"
 
-    with pytest.raises(ValueError, match="type dict already has handler 'cairn.numpy_tree'"):
+    with pytest.raises(ValueError, match=r"type dict already has handler 'cairn\.numpy_tree'"):
         register(Other(), dict)
     with pytest.raises(TypeError, match="no `snapshot` method"):
         register(type("H", (), {"id": "x", "version": 1})())  # type: ignore[arg-type]
