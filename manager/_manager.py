@@ -356,8 +356,7 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until pending commits and the retention after them are done; raise their error."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result()  # FIFO: every earlier job has finished
+        self._drain()
         self.check_for_errors()
 
     def check_for_errors(self) -> None:
@@ -420,11 +419,13 @@ class CheckpointManager:
         to a target each (None for no target). Returns ``{name: restored}`` for those items.
         With ``step=None`` a damaged newest step is skipped with a logged warning in favour of the
         next one, unless ``fallback=False``; a given step that is damaged always raises
-        CorruptCheckpointError naming the file.
+        CorruptCheckpointError naming the file. Pending commits finish first (their errors are
+        left for the next save, wait_until_finished, check_for_errors or close).
         """
         if not isinstance(fallback, bool):
             raise TypeError(f"fallback must be a bool, got {fallback!r}")
         wanted = None if items is None else check_items(items)
+        self._drain()  # pending commits (and the retention after them) land first, as in T5X
         if isinstance(step, str):
             if step != "best":
                 raise ValueError(f"step must be None, 'best' or an integer, got {step!r}")
@@ -435,7 +436,6 @@ class CheckpointManager:
             return self._restore_step(best, wanted)
         if step is not None:
             step = as_step(step)
-            self._wait_if_inflight(step)
             if step not in self.all_steps():
                 raise StepNotFoundError(self._missing(step))
             return self._restore_step(step, wanted)
@@ -511,7 +511,12 @@ class CheckpointManager:
         with self._lock:
             inflight = step in self._inflight
         if inflight:
-            self.wait_until_finished()
+            self._drain()
+
+    def _drain(self) -> None:
+        """Wait until the commit thread is idle; its errors stay for the next save/wait/close."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()  # FIFO: every earlier job has finished
 
     def info(self, step: Any) -> StepInfo:
         """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""

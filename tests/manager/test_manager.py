@@ -500,3 +500,20 @@ def test_damaged_metrics_file_falls_back_to_manifest(
     ):
         assert mgr.metrics(1) == {"a": 1.0}
     assert "ignoring unreadable" in caplog.text
+
+
+def test_restore_waits_for_pending_commits(
+    tmp_path: Path, gated_handler: InMemoryHandler, gate: Gate
+) -> None:
+    """restore() during an in-flight save returns that step once it is committed."""
+    results: list[Any] = []
+    with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
+        mgr.save(1, {"x": "one"})
+        assert gate.entered.wait(30)
+        reader = threading.Thread(target=lambda: results.append(mgr.restore()))
+        reader.start()
+        reader.join(timeout=0.3)
+        assert reader.is_alive(), "restore did not wait for the pending commit"
+        gate.release.set()
+        reader.join(timeout=30)
+    assert results == [{"x": "one"}]
