@@ -33,5 +33,5 @@ __all__ = [
 
 # Built-in defaults. JsonHandler is known by id only: it is never picked from an item's type, only
 # named in handlers= (or found by id when a step it wrote is restored).
-register(NumpyTreeHandler(), dict, list, tuple, _np.ndarray, _np.generic)
+register(NumpyTreeHandler(), dict, list, tuple, int, float, complex, _np.ndarray, _np.generic)
 register(JsonHandler())

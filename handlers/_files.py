@@ -37,6 +37,7 @@ class FileRecord:
         path, size, crc = obj["path"], obj["size"], obj["crc32c"]
         if not isinstance(path, str) or not isinstance(size, int) or not isinstance(crc, int):
             raise TypeError(f"malformed file record {dict(obj)!r}")
+        _check_relative(path)  # a crafted manifest must not make restore read outside the step
         return cls(path, size, crc)
 
 

@@ -40,8 +40,8 @@ class Handler(Protocol):
     `restore` and `describe` run on the caller's thread.
 
     `id` is stored in the manifest and finds the handler again at restore time; `version` is the
-    handler's on-disk format version. A handler must refuse (UnsupportedFormatError) to read a
-    version newer than its own.
+    handler's on-disk format version, also stored. The manager refuses (UnsupportedFormatError)
+    to hand a handler an item written by a newer version of the same handler id.
     """
 
     id: str

@@ -17,6 +17,7 @@ from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot, write_file
 from cairn.handlers._files import fsync_dir
+from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._format import (
     MANIFEST,
     METRICS,
@@ -49,7 +50,8 @@ def commit_step(root: Path, names: StepNames, job: SaveJob) -> Manifest:
     The order is the whole point: items first, the manifest last, everything fsynced, then one
     rename. A reader (or a restart after SIGKILL) sees either no step or a complete one, because
     the final name appears only through the atomic rename of a directory whose contents and
-    manifest are already durable; rename refuses to replace an existing step directory.
+    manifest are already durable. POSIX rename would replace an *empty* directory of the final
+    name, so an existing one is refused first (the directory lock keeps other writers out).
     """
     t0 = time.monotonic()
     tmp = root / names.temporary(job.step)
@@ -76,6 +78,8 @@ def commit_step(root: Path, names: StepNames, job: SaveJob) -> Manifest:
         )
         write_file(tmp, MANIFEST, manifest.to_bytes())
         fsync_tree(tmp)
+        if os.path.lexists(final):
+            raise StepAlreadyExistsError(f"step {job.step}: {final} appeared on disk meanwhile")
         os.rename(tmp, final)  # the commit point
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,9 +138,12 @@ def delete_step(root: Path, name: str) -> None:
     A crash between the two leaves a ``.trash-*`` directory, which the next start removes.
     """
     trash = root / trash_name(name)
-    os.rename(root / name, trash)
-    fsync_dir(root)
-    shutil.rmtree(trash)
+    os.rename(root / name, trash)  # from here on the step is gone
+    try:
+        fsync_dir(root)
+        shutil.rmtree(trash)
+    except OSError as e:
+        log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)
 
 
 def clean_leftovers(root: Path, names: StepNames) -> list[str]:

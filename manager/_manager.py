@@ -231,7 +231,7 @@ class CheckpointManager:
         Raises StepAlreadyExistsError for a committed or in-flight step, with or without `force`.
         Every argument is checked before anything is captured or written.
         """
-        entered = time.monotonic()
+        entered, started_at = time.monotonic(), time.time()
         self._check_writable("save")
         self.check_for_errors()
         step = as_step(step)
@@ -267,7 +267,6 @@ class CheckpointManager:
         except BaseException:
             self._slots.release()
             raise
-        started_at = time.time()
         self._last_save_time = started_at
         job = _commit.SaveJob(
             step=step,
@@ -292,8 +291,11 @@ class CheckpointManager:
             try:
                 manifest = _commit.commit_step(self._root, self._names, job)
             except BaseException as e:
+                on_disk = self._read_step_if_present(job.step)  # e.g. fsync failed after rename
                 with self._lock:
                     self._inflight.discard(job.step)
+                    if on_disk is not None:
+                        self._steps[job.step] = on_disk
                 if reraise:
                     raise
                 self._keep_error(f"the commit of step {job.step}", e)
@@ -332,7 +334,7 @@ class CheckpointManager:
         """Commit thread: delete the committed steps the keep policy does not keep."""
         with self._lock:
             views = [
-                StepView(s, rec.manifest.committed_at, rec.metrics)
+                StepView(s, rec.manifest.started_at, rec.metrics)
                 for s, rec in self._steps.items()
                 if rec.manifest is not None
             ]
@@ -348,6 +350,8 @@ class CheckpointManager:
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""
+        if self._closed:
+            raise RuntimeError(f"this manager of {self._root} is closed")
         if self._executor is None:
             return fn()
         return self._executor.submit(fn).result()
@@ -376,10 +380,10 @@ class CheckpointManager:
         """Wait for pending commits, release the directory; raise a pending commit error if any."""
         if self._closed:
             return
-        self._closed = True
         try:
             self.wait_until_finished()
         finally:
+            self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             if self._lock_fd is not None:
@@ -515,7 +519,7 @@ class CheckpointManager:
 
     def _drain(self) -> None:
         """Wait until the commit thread is idle; its errors stay for the next save/wait/close."""
-        if self._executor is not None:
+        if self._executor is not None and not self._closed:
             self._executor.submit(lambda: None).result()  # FIFO: every earlier job has finished
 
     def info(self, step: Any) -> StepInfo:
@@ -671,6 +675,10 @@ class CheckpointManager:
                     e,
                 )
         return _Step(manifest, late_metrics=late)
+
+    def _read_step_if_present(self, step: int) -> _Step | None:
+        path = self._root / self._names.format(step)
+        return self._read_step(step, path) if path.is_dir() else None
 
     def _newest_intact(self) -> _Step | None:
         for step in sorted(self._steps, reverse=True):

@@ -1,7 +1,7 @@
 """Every ```python block in README.md and docs/*.md runs, so the documentation cannot drift.
 
-Each block runs on its own: a fresh namespace, a fresh temporary working directory, and a private
-copy of the handler registry (a snippet may `register` a handler of its own). Blocks that are not
+Each block runs on its own: a fresh module namespace, a fresh temporary working directory, and a
+private copy of the handler registry (a snippet may `register` a handler of its own). Blocks that are not
 meant to run are fenced as ```text (or with no language); Python-looking fences other than
 ``python`` are refused, so that no snippet is skipped by accident.
 """
@@ -9,6 +9,8 @@ meant to run are fenced as ```text (or with no language); Python-looking fences 
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -76,10 +78,14 @@ def test_snippet_runs(
     path: Path, line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    # Pad with blank lines so that a traceback points at the line in the Markdown file.
-    compiled = compile("\n" * (line - 1) + code, str(path), "exec")
-    namespace = {"__name__": "__docs__"}
-    exec(compiled, namespace)
+    # Pad with blank lines so that a traceback points at the line in the Markdown file; do not
+    # inherit this file's `from __future__` flags.
+    compiled = compile("\n" * (line - 1) + code, str(path), "exec", dont_inherit=True)
+    # A real module, so that dataclasses and pickle defined in a snippet can find it.
+    module = types.ModuleType("cairn_docs_snippet")
+    module.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compiled, module.__dict__)
 
 
 def test_the_docs_exist_and_have_snippets() -> None:

@@ -517,3 +517,45 @@ def test_restore_waits_for_pending_commits(
         gate.release.set()
         reader.join(timeout=30)
     assert results == [{"x": "one"}]
+
+
+def test_final_name_appearing_meanwhile_is_never_replaced(tmp_path: Path) -> None:
+    """If a directory of the final name appears during the write, the commit refuses to replace it."""
+    squatter = InMemoryHandler(on_write=lambda: (tmp_path / "checkpoint_1").mkdir())
+    with CheckpointManager(tmp_path, handlers={"x": squatter}) as mgr:
+        mgr.save(1, {"x": 1})
+        with pytest.raises(CommitError, match="appeared on disk meanwhile"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]  # what is on disk: an empty, hence corrupt, step directory
+        with pytest.raises(CorruptCheckpointError, match="has no manifest"):
+            mgr.restore(1)
+        assert leftovers(tmp_path) == []
+
+
+def test_python_scalar_items_and_calls_after_close(tmp_path: Path) -> None:
+    """Top-level Python scalars are pytrees too; a closed manager refuses writes, reads still work."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"lr": 0.5, "count": 3})
+    mgr.close()
+    mgr.close()  # idempotent
+    mgr.wait_until_finished()  # nothing pending: returns
+    assert mgr.restore(1) == {"lr": 0.5, "count": 3}
+    for call in (lambda: mgr.save(2, {"x": 1}), lambda: mgr.delete(1), lambda: mgr.reload()):
+        with pytest.raises(RuntimeError, match="is closed"):
+            call()
+
+
+def test_manifest_paths_must_stay_inside_the_step(tmp_path: Path) -> None:
+    """A manifest naming '../' files is corrupt: restore never reads outside the step."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"s": [1]})
+    path = tmp_path / "checkpoint_1" / "_CHECKPOINT.json"
+    body = json.loads(path.read_bytes())
+    del body["crc32c"]
+    body["items"]["s"]["files"][0]["path"] = "../../secret"
+    path.write_bytes(dump_checked(body))
+    with (
+        CheckpointManager(tmp_path, read_only=True) as mgr,
+        pytest.raises(CorruptCheckpointError, match="malformed"),
+    ):
+        mgr.restore(1)
