@@ -18,7 +18,14 @@ import crc32c
 
 from cairn.handlers.errors import CorruptCheckpointError
 
-__all__ = ["ChecksummedFile", "FileRecord", "StoredItem", "fsync_dir", "write_file"]
+__all__ = [
+    "ChecksummedFile",
+    "FileRecord",
+    "StoredItem",
+    "check_relative",
+    "fsync_dir",
+    "write_file",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +44,11 @@ class FileRecord:
         path, size, crc = obj["path"], obj["size"], obj["crc32c"]
         if not isinstance(path, str) or not isinstance(size, int) or not isinstance(crc, int):
             raise TypeError(f"malformed file record {dict(obj)!r}")
-        _check_relative(path)  # a crafted manifest must not make restore read outside the step
+        check_relative(path)  # a crafted manifest must not make restore read outside the step
         return cls(path, size, crc)
 
 
-def _check_relative(relpath: str) -> None:
+def check_relative(relpath: str) -> None:
     parts = relpath.split("/")
     if not relpath or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(
@@ -57,7 +64,7 @@ class ChecksummedFile:
     """
 
     def __init__(self, root: Path, relpath: str) -> None:
-        _check_relative(relpath)
+        check_relative(relpath)
         self._relpath = relpath
         path = root / relpath
         path.parent.mkdir(parents=True, exist_ok=True)

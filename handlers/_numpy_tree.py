@@ -78,7 +78,7 @@ class NumpyTreeHandler:
         tree = _load_tree(stored)
 
         def leaf(node: Mapping[str, Any]) -> Any:
-            arr = _read_array(stored, node["f"])
+            arr = _read_array(stored, node["f"], node["dtype"])
             return arr[()] if node["t"] == "npscalar" else arr
 
         if target is None:
@@ -109,7 +109,7 @@ def _encode(obj: Any, path: KeyPath, arrays: list[np.ndarray]) -> Any:
             "t": kind,
             "f": f"arrays/{len(arrays) - 1}.npy",
             "shape": list(arr.shape),
-            "dtype": arr.dtype.str,
+            "dtype": dtype_name(arr.dtype),
         }
     if obj is None:
         return {"t": "none"}
@@ -147,14 +147,52 @@ def _load_tree(stored: StoredItem) -> Any:
         raise CorruptCheckpointError(f"{stored.describe_file(_TREE)} does not parse: {e}") from None
 
 
-def _read_array(stored: StoredItem, relpath: str) -> np.ndarray:
+def dtype_name(dtype: np.dtype) -> str:
+    """How a dtype is written down: NumPy's own string (``<f4``), or the ml_dtypes name (``bfloat16``)."""
+    return dtype.name if dtype.kind == "V" and dtype.name in _ml_dtype_names() else dtype.str
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    if name in _ml_dtype_names():
+        import ml_dtypes  # a dependency of jax; needed only for bfloat16 and friends
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def _ml_dtype_names() -> frozenset[str]:
+    return frozenset(
+        {
+            "bfloat16",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e4m3b11fnuz",
+            "float8_e3m4",
+            "float8_e4m3",
+            "float8_e8m0fnu",
+            "float4_e2m1fn",
+            "float6_e2m3fn",
+            "float6_e3m2fn",
+            "int2",
+            "int4",
+            "uint2",
+            "uint4",
+        }
+    )
+
+
+def _read_array(stored: StoredItem, relpath: str, dtype: str) -> np.ndarray:
     import io
 
     data = stored.read_bytes(relpath)
     try:
-        return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+        arr = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
     except ValueError as e:  # checksummed bytes that still do not parse: a bug, but say where
         raise CorruptCheckpointError(f"{stored.describe_file(relpath)}: {e}") from None
+    want = dtype_from_name(dtype)
+    return arr if arr.dtype == want else arr.view(want)  # .npy stores ml_dtypes as raw void
 
 
 _SCALARS: dict[str, Callable[[Any], Any]] = {
@@ -229,7 +267,7 @@ def _decode_into(
         if t not in ("array", "npscalar"):
             raise MismatchError(f"at {keystr(path)}: the target is an array, the checkpoint a {t}")
         want_shape, want_dtype = tuple(target.shape), np.dtype(target.dtype)
-        have_shape, have_dtype = tuple(node["shape"]), np.dtype(node["dtype"])
+        have_shape, have_dtype = tuple(node["shape"]), dtype_from_name(node["dtype"])
         if want_shape != have_shape:
             raise MismatchError(
                 f"at {keystr(path)}: shape {have_shape} in the checkpoint, {want_shape} in the target"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot, write_file
-from cairn.handlers._files import fsync_dir
+from cairn.handlers._files import check_relative, fsync_dir
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._format import (
     MANIFEST,
@@ -97,7 +97,13 @@ def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, 
         if record.path in seen:
             raise ValueError(f"handler {handler.id!r} returned {record.path!r} twice")
         seen.add(record.path)
-        size = (item_dir / record.path).stat().st_size
+        check_relative(record.path)
+        path = item_dir / record.path
+        if not path.is_file() or path.is_symlink():
+            raise ValueError(
+                f"handler {handler.id!r} returned {record.path!r}, which it did not write"
+            )
+        size = path.stat().st_size
         if size != record.size:
             raise ValueError(
                 f"handler {handler.id!r} says {record.path!r} has {record.size} bytes, "
@@ -138,7 +144,11 @@ def delete_step(root: Path, name: str) -> None:
     A crash between the two leaves a ``.trash-*`` directory, which the next start removes.
     """
     trash = root / trash_name(name)
-    os.rename(root / name, trash)  # from here on the step is gone
+    try:
+        os.rename(root / name, trash)  # from here on the step is gone
+    except FileNotFoundError:
+        log.warning("cairn: step directory %s was already gone", root / name)
+        return
     try:
         fsync_dir(root)
         shutil.rmtree(trash)

@@ -10,10 +10,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
 from cairn.handlers.errors import (
@@ -21,6 +22,7 @@ from cairn.handlers.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
     ItemNotFoundError,
+    MismatchError,
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
@@ -170,18 +172,24 @@ class CheckpointManager:
         self._commit_telemetry: dict[int, dict[str, float]] = {}
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock_fd: int | None = None
+        self._dir_lock: _DirectoryLock | None = None
         self._closed = False
 
         if not read_only:
             self._root.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _acquire_lock(self._root)
-            _commit.clean_leftovers(self._root, self._names)
-            if async_save:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="cairn-commit"
-                )
-        self._steps = self._scan()
+            self._dir_lock = _DirectoryLock(self._root)
+        try:
+            if not read_only:
+                _commit.clean_leftovers(self._root, self._names)
+            self._steps = self._scan()
+        except BaseException:
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+            raise
+        if not read_only and async_save:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cairn-commit"
+            )
         newest = self._newest_intact()
         self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
 
@@ -242,9 +250,10 @@ class CheckpointManager:
         metadata = check_metadata(metadata) if metadata is not None else {}
         if not isinstance(force, bool):
             raise TypeError(f"force must be a bool, got {force!r}")
-        handlers = {
-            name: self._handlers.get(name) or handler_for(obj) for name, obj in items.items()
-        }
+        handlers = {}
+        for name, obj in items.items():
+            with _naming_item(name):
+                handlers[name] = self._handlers.get(name) or handler_for(obj)
         with self._lock:
             if step in self._steps or step in self._inflight:
                 state = "committed" if step in self._steps else "being committed"
@@ -261,9 +270,10 @@ class CheckpointManager:
             )
         try:
             self.check_for_errors()  # the commit we waited for may have failed
-            snapshots = {
-                name: (handlers[name], handlers[name].snapshot(obj)) for name, obj in items.items()
-            }
+            snapshots = {}
+            for name, obj in items.items():
+                with _naming_item(name):
+                    snapshots[name] = (handlers[name], handlers[name].snapshot(obj))
         except BaseException:
             self._slots.release()
             raise
@@ -280,8 +290,14 @@ class CheckpointManager:
             self._inflight.add(step)
         if self._executor is None:
             self._run_save(job, reraise=True)
-        else:
+            return True
+        try:
             self._executor.submit(self._run_save, job, reraise=False)
+        except BaseException:  # e.g. called from an atexit hook after interpreter shutdown began
+            with self._lock:
+                self._inflight.discard(step)
+            self._slots.release()
+            raise
         return True
 
     def _run_save(self, job: _commit.SaveJob, *, reraise: bool) -> None:
@@ -291,14 +307,13 @@ class CheckpointManager:
             try:
                 manifest = _commit.commit_step(self._root, self._names, job)
             except BaseException as e:
-                on_disk = self._read_step_if_present(job.step)  # e.g. fsync failed after rename
                 with self._lock:
                     self._inflight.discard(job.step)
-                    if on_disk is not None:
-                        self._steps[job.step] = on_disk
+                if not reraise:
+                    self._keep_error(f"the commit of step {job.step}", e)
+                self._adopt_if_on_disk(job.step)  # e.g. the rename happened, its fsync failed
                 if reraise:
                     raise
-                self._keep_error(f"the commit of step {job.step}", e)
                 return
             commit_s = time.monotonic() - t0
             size = manifest.telemetry.get("bytes", 0.0)
@@ -338,15 +353,27 @@ class CheckpointManager:
                 for s, rec in self._steps.items()
                 if rec.manifest is not None
             ]
+        failures = []
         for step in steps_to_delete(views, self._keep):
             log.info("cairn: retention deletes step %d", step)
-            self._delete_now(step)
+            try:
+                self._delete_now(step)
+            except OSError as e:  # one bad step must not stop retention for the others
+                failures.append((step, e))
+        if failures:
+            step, first = failures[0]
+            raise OSError(
+                f"retention could not delete steps {[s for s, _ in failures]}: step {step}: {first}"
+            ) from first
 
     def _delete_now(self, step: int) -> None:
-        _commit.delete_step(self._root, self._names.format(step))
-        with self._lock:
-            self._steps.pop(step, None)
-            self._commit_telemetry.pop(step, None)
+        try:
+            _commit.delete_step(self._root, self._names.format(step))
+        finally:
+            if not (self._root / self._names.format(step)).exists():  # gone, whoever removed it
+                with self._lock:
+                    self._steps.pop(step, None)
+                    self._commit_telemetry.pop(step, None)
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""
@@ -374,7 +401,7 @@ class CheckpointManager:
                 if len(errors) > 1
                 else ""
             )
-            raise CommitError(f"{what} failed: {first!r}{more}") from first
+            raise CommitError(f"{what} failed: {type(first).__name__}: {first}{more}") from first
 
     def close(self) -> None:
         """Wait for pending commits, release the directory; raise a pending commit error if any."""
@@ -386,9 +413,8 @@ class CheckpointManager:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            if self._dir_lock is not None:
+                self._dir_lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -396,7 +422,14 @@ class CheckpointManager:
     def __exit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the body's exception goes on; a commit failure is logged, not raised over it
+            self.close()
+        except Exception as e:
+            log.error("cairn: closing after %s: %s", type(exc).__name__, e)
+            exc.add_note(f"cairn: also, closing the manager failed: {e}")
 
     # ------------------------------------------------------------------ reading
 
@@ -446,16 +479,22 @@ class CheckpointManager:
         candidates = self.all_steps()[::-1]
         if not candidates:
             raise StepNotFoundError(f"no committed step in {self._root}")
+        newest_error: CorruptCheckpointError | None = None
         for s in candidates:
             try:
                 return self._restore_step(s, wanted)
+            except StepNotFoundError:
+                continue  # deleted by another manager's retention meanwhile: try the next
             except CorruptCheckpointError as e:
                 if not fallback:
                     raise
+                newest_error = newest_error or e
                 log.warning("cairn: step %d is damaged, falling back to an older step: %s", s, e)
+        if newest_error is None:
+            raise StepNotFoundError(f"every step of {self._root} was deleted while being read")
         raise CorruptCheckpointError(
-            f"every step in {self._root} is damaged ({candidates}); see the warnings above"
-        )
+            f"every step in {self._root} is damaged ({candidates}); the newest: {newest_error}"
+        ) from newest_error
 
     def _restore_step(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
         manifest = self._manifest(step)
@@ -474,7 +513,12 @@ class CheckpointManager:
         for name, target in wanted.items():
             entry = manifest.items[name]
             handler = self._handlers.get(name) or handler_by_id(entry.handler)
-            if handler.id == entry.handler and entry.version > handler.version:
+            if handler.id != entry.handler:
+                raise MismatchError(
+                    f"item {name!r} of step {step} was written by handler {entry.handler!r}, "
+                    f"but handlers= gives {handler.id!r} for it"
+                )
+            if entry.version > handler.version:
                 raise UnsupportedFormatError(
                     f"item {name!r} of step {step} was written by {entry.handler!r} version "
                     f"{entry.version}; this cairn has version {handler.version}"
@@ -485,6 +529,7 @@ class CheckpointManager:
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:
+                    self._check_still_there(step, step_dir)
                     raise CorruptCheckpointError(
                         f"{stored.describe_file(record.path)} is missing"
                     ) from None
@@ -493,10 +538,22 @@ class CheckpointManager:
                         f"{stored.describe_file(record.path)} has {size} bytes, "
                         f"the manifest says {record.size}"
                     )
-            restored[name] = handler.restore(stored, target)
+            try:
+                restored[name] = handler.restore(stored, target)
+            except CorruptCheckpointError:
+                self._check_still_there(step, step_dir)
+                raise
         return restored
 
-    def _manifest(self, step: int) -> Manifest:
+    def _check_still_there(self, step: int, step_dir: Path) -> None:
+        """A step deleted meanwhile (by the writer's retention) is gone, not damaged."""
+        if not step_dir.exists():
+            with self._lock:
+                self._steps.pop(step, None)
+            raise StepNotFoundError(f"step {step} was deleted from {self._root} while being read")
+
+    def _record(self, step: int) -> tuple[_Step, Manifest]:
+        """The step's record and manifest, read once; raises the step's own error if unreadable."""
         with self._lock:
             rec = self._steps.get(step)
         if rec is None:
@@ -504,12 +561,18 @@ class CheckpointManager:
         if rec.manifest is None:
             assert rec.error is not None
             raise type(rec.error)(str(rec.error))
-        return rec.manifest
+        return rec, rec.manifest
+
+    def _manifest(self, step: int) -> Manifest:
+        return self._record(step)[1]
 
     def _missing(self, step: int) -> str:
         steps = self.all_steps()
         shown = steps if len(steps) <= 10 else [*steps[:3], "...", *steps[-5:]]
-        return f"step {step} is not committed in {self._root} (committed: {shown})"
+        with self._lock:
+            failed = any(what == f"the commit of step {step}" for what, _ in self._errors)
+        note = "; its background commit failed (see check_for_errors())" if failed else ""
+        return f"step {step} is not committed in {self._root} (committed: {shown}){note}"
 
     def _wait_if_inflight(self, step: int) -> None:
         with self._lock:
@@ -526,9 +589,9 @@ class CheckpointManager:
         """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
         step = as_step(step)
         self._wait_if_inflight(step)
-        manifest = self._manifest(step)
+        rec, manifest = self._record(step)
         with self._lock:
-            metrics = self._steps[step].metrics
+            metrics = rec.metrics
             telemetry = {**manifest.telemetry, **self._commit_telemetry.get(step, {})}
         return StepInfo(
             step=step,
@@ -552,9 +615,9 @@ class CheckpointManager:
         """The metrics of a step: those given to save, updated by record_metrics (later wins)."""
         step = as_step(step)
         self._wait_if_inflight(step)
-        self._manifest(step)
+        rec, _ = self._record(step)
         with self._lock:
-            return self._steps[step].metrics
+            return rec.metrics
 
     def record_metrics(self, step: Any, metrics: Mapping[str, Any]) -> None:
         """Merge late metrics (say, from an evaluation) into a committed step's ``metrics.json``.
@@ -658,33 +721,54 @@ class CheckpointManager:
             manifest = Manifest.from_bytes((path / MANIFEST).read_bytes(), where)
         except FileNotFoundError:
             return _Step(None, CorruptCheckpointError(f"step {step} at {path} has no manifest"))
+        except OSError as e:
+            return _Step(None, CorruptCheckpointError(f"{where} cannot be read: {e}"))
         except (CorruptCheckpointError, UnsupportedFormatError) as e:
             return _Step(None, e)
         if manifest.step != step:
             error = CorruptCheckpointError(f"{where} says step {manifest.step}")
             return _Step(None, error)
         late: dict[str, float] = {}
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                data = (path / METRICS).read_bytes()
-                late = check_metrics(load_checked(data, str(path / METRICS))["metrics"])
-            except (CorruptCheckpointError, KeyError, TypeError) as e:
-                log.warning(
-                    "cairn: ignoring unreadable %s (the manifest's metrics stand): %s",
-                    path / METRICS,
-                    e,
-                )
+        try:
+            data = (path / METRICS).read_bytes()
+            late = check_metrics(load_checked(data, str(path / METRICS))["metrics"])
+        except FileNotFoundError:
+            pass  # no late metrics
+        except (CorruptCheckpointError, KeyError, TypeError, OSError) as e:
+            log.warning(
+                "cairn: ignoring unreadable %s (the manifest's metrics stand): %s",
+                path / METRICS,
+                e,
+            )
         return _Step(manifest, late_metrics=late)
 
-    def _read_step_if_present(self, step: int) -> _Step | None:
+    def _adopt_if_on_disk(self, step: int) -> None:
+        """After a failed commit, list the step if it is on disk anyway, so all_steps() stays true."""
         path = self._root / self._names.format(step)
-        return self._read_step(step, path) if path.is_dir() else None
+        try:
+            if path.is_dir():
+                rec = self._read_step(step, path)
+                with self._lock:
+                    self._steps[step] = rec
+        except Exception as e:  # never hide the commit's own error behind this one
+            log.error("cairn: could not read back step %d after its failed commit: %r", step, e)
 
     def _newest_intact(self) -> _Step | None:
         for step in sorted(self._steps, reverse=True):
             if self._steps[step].manifest is not None:
                 return self._steps[step]
         return None
+
+
+@contextlib.contextmanager
+def _naming_item(name: str) -> Iterator[None]:
+    """Prefix a TypeError/ValueError raised for one item with the item's name."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if type(e) in (TypeError, ValueError, MismatchError):
+            raise type(e)(f"item {name!r}: {e}") from e
+        raise
 
 
 def _check_directory(directory: Any) -> Path:
@@ -736,17 +820,47 @@ def _check_best(best: Any) -> tuple[str, Literal["min", "max"]] | None:
     return best[0], best[1]
 
 
-def _acquire_lock(root: Path) -> int:
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise DirectoryLockedError(
-            f"{root} is held by another writable CheckpointManager (pid {holder}); "
-            "open it with read_only=True to read alongside"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+class _DirectoryLock:
+    """An advisory flock on ``<root>/.cairn.lock``, held while a writable manager is open.
+
+    The lock belongs to the open file description, which a forked child would share; children
+    close their copy at fork time, so a fork-started worker never keeps the directory locked.
+    A manager dropped without close() releases it when garbage-collected.
+    """
+
+    _held: ClassVar[weakref.WeakSet[_DirectoryLock]] = weakref.WeakSet()
+
+    def __init__(self, root: Path) -> None:
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            who = (
+                "this process (a manager not closed?)"
+                if holder == str(os.getpid())
+                else f"pid {holder}"
+            )
+            raise DirectoryLockedError(
+                f"{root} is held by another writable CheckpointManager in {who}; "
+                "open it with read_only=True to read alongside"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        _DirectoryLock._held.add(self)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self._fd = None
+            self._finalizer()  # closes the descriptor once
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        for lock in list(cls._held):
+            lock.release()
+
+
+os.register_at_fork(after_in_child=_DirectoryLock._forget_in_child)

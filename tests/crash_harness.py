@@ -80,6 +80,7 @@ def run_trials(
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        saved += [int(line.split()[1]) for line in proc.stdout.read().splitlines()]
         proc.stdout.close()
         proc.stderr.close()  # type: ignore[union-attr]
         assert proc.returncode == -signal.SIGKILL, proc.returncode
@@ -90,6 +91,8 @@ def run_trials(
         assert latest > previous_latest, (
             f"the writer did not advance: {latest} <= {previous_latest}"
         )
+        if "--sync" in writer_args:  # a synchronous save has committed when it returns
+            assert latest >= saved[-1], f"step {saved[-1]} was reported saved but is gone"
         stats.steps_committed += latest - previous_latest
         previous_latest = latest
         stats.trials += 1

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import ml_dtypes
 import numpy as np
 import pytest
+from conftest import Gate
 from treeutil import assert_tree_equal
 
 from cairn.handlers import (
@@ -106,15 +108,17 @@ class HandlerContract:
         shutil.move(tmp_path / "a", tmp_path / "b")
         assert_tree_equal(handler.restore(stored(tmp_path / "b" / "item", records)), obj)
 
-    def test_through_the_manager(self, handler: Handler, tmp_path: Path) -> None:
-        """Saved and restored by a CheckpointManager, async, as an explicitly named item."""
+    def test_through_the_manager(self, handler: Handler, tmp_path: Path, gate: Gate) -> None:
+        """Saved async by a CheckpointManager (mutated while the write is held), then restored."""
         obj = self.sample()
-        with CheckpointManager(tmp_path / "ck", handlers={"x": handler}) as mgr:
-            assert mgr.save(3, {"x": obj})
+        handlers = {"gate": InMemoryHandler(on_write=gate), "x": handler}
+        with CheckpointManager(tmp_path / "ck", handlers=handlers) as mgr:
+            assert mgr.save(3, {"gate": 0, "x": obj})  # items are written in order: gate first
+            assert gate.entered.wait(30)
             self.mutate(obj)
+            gate.release.set()
             mgr.wait_until_finished()
-            got = mgr.restore(3)
-        assert list(got) == ["x"]
+            got = mgr.restore(3, {"x": None})
         assert_tree_equal(got["x"], self.sample())
 
 
@@ -153,6 +157,8 @@ def numpy_sample() -> dict[str, Any]:
         "name": "run/1",
         "none": None,
         "big": rng.standard_normal(20_000),
+        "bf16": np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3),
+        "fp8": np.ones(3, ml_dtypes.float8_e4m3fn),
     }
 
 

@@ -14,6 +14,7 @@ def test_sync_saves_survive_sigkill(tmp_path: Path, record_property: pytest.Reco
     record_property("crash_sync", str(stats))
     print(stats)
     assert stats.trials == 30
+    assert stats.kills_with_leftovers > 0, "no kill landed inside a commit"
 
 
 def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
@@ -32,6 +33,7 @@ def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
     record_property("crash_async", str(stats))
     print(stats)
     assert stats.trials == 50
+    assert stats.kills_with_leftovers > 0, "no kill landed inside a commit"
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -129,6 +128,24 @@ def test_async_step_is_invisible_until_committed(
         assert mgr.restore(1)["x"] == "payload"
 
 
+class WatchedSlots:
+    """Wraps the manager's semaphore: notes each acquire, and whether it returned before the gate opened."""
+
+    def __init__(self, inner: Any, gate: Gate) -> None:
+        self.inner, self.gate = inner, gate
+        self.waiting = threading.Event()
+        self.returned_early: list[bool] = []
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        self.waiting.set()
+        got = self.inner.acquire(*args, **kwargs)
+        self.returned_early.append(not self.gate.release.is_set())
+        return bool(got)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
 def test_max_pending_bounds_saves_in_flight(
     tmp_path: Path, gated_handler: InMemoryHandler, gate: Gate
 ) -> None:
@@ -136,15 +153,17 @@ def test_max_pending_bounds_saves_in_flight(
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
         mgr.save(1, {"x": 1})
         assert gate.entered.wait(30)
+        slots = WatchedSlots(mgr._slots, gate)
+        mgr._slots = slots  # type: ignore[assignment]
         second = threading.Thread(target=mgr.save, args=(2, {"x": 2}))
         second.start()
-        second.join(timeout=0.3)
-        assert second.is_alive(), "the second save did not wait for the first commit"
+        assert slots.waiting.wait(30)  # the second save has reached the bound
         gate.release.set()
         second.join(timeout=30)
         mgr.wait_until_finished()
+        assert slots.returned_early == [False], "the second save did not wait for the first commit"
         assert mgr.all_steps() == [1, 2]
-        assert mgr.info(2).telemetry["blocked_s"] >= 0.3
+        assert mgr.info(2).telemetry["blocked_s"] > 0
         assert mgr.info(2).telemetry["commit_s"] > 0
 
 
@@ -211,7 +230,9 @@ def test_leftovers_are_removed_at_start_but_not_by_readers(tmp_path: Path) -> No
 def test_one_writer_per_directory(tmp_path: Path) -> None:
     """A second writable manager is refused; readers are not; the lock goes with close()."""
     first = CheckpointManager(tmp_path)
-    with pytest.raises(DirectoryLockedError, match=f"pid {os.getpid()}"):
+    with pytest.raises(
+        DirectoryLockedError, match="held by another writable CheckpointManager in this process"
+    ):
         CheckpointManager(tmp_path)
     CheckpointManager(tmp_path, read_only=True).close()
     first.close()
@@ -510,13 +531,21 @@ def test_restore_waits_for_pending_commits(
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
         mgr.save(1, {"x": "one"})
         assert gate.entered.wait(30)
+        draining = threading.Event()
+        drain = mgr._drain
+
+        def watched_drain() -> None:
+            draining.set()
+            drain()
+            results.append(("drained after release", gate.release.is_set()))
+
+        mgr._drain = watched_drain  # type: ignore[method-assign]
         reader = threading.Thread(target=lambda: results.append(mgr.restore()))
         reader.start()
-        reader.join(timeout=0.3)
-        assert reader.is_alive(), "restore did not wait for the pending commit"
+        assert draining.wait(30)
         gate.release.set()
         reader.join(timeout=30)
-    assert results == [{"x": "one"}]
+    assert results[:2] == [("drained after release", True), {"x": "one"}]
 
 
 def test_final_name_appearing_meanwhile_is_never_replaced(tmp_path: Path) -> None:

@@ -1,0 +1,209 @@
+"""What goes wrong around the manager: hand-deleted steps, unreadable files, forks, exceptions."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from treeutil import assert_tree_equal
+
+from cairn.handlers import FileRecord, InMemoryHandler, JsonHandler, NumpyTreeHandler
+from cairn.manager import (
+    CheckpointManager,
+    CommitError,
+    CorruptCheckpointError,
+    KeepLatest,
+    MismatchError,
+    StepNotFoundError,
+    _commit,
+)
+
+
+def test_step_deleted_by_hand_does_not_stall_retention(tmp_path: Path) -> None:
+    """A step removed behind the manager's back is dropped; retention and saves go on."""
+    with CheckpointManager(tmp_path, keep=KeepLatest(3), async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {"s": [step]})
+        shutil.rmtree(tmp_path / "checkpoint_0")
+        for step in range(3, 6):
+            mgr.save(step, {"s": [step]})
+        assert mgr.all_steps() == [3, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == [
+        "checkpoint_3",
+        "checkpoint_4",
+        "checkpoint_5",
+    ]
+
+
+def test_unreadable_manifest_is_a_corrupt_step_not_a_failed_open(tmp_path: Path) -> None:
+    """A manifest that cannot be read (here: a directory) lists the step as corrupt."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"s": [1]})
+        mgr.save(2, {"s": [2]})
+    manifest = tmp_path / "checkpoint_2" / "_CHECKPOINT.json"
+    manifest.unlink()
+    manifest.mkdir()
+    for read_only in (True, False):
+        with CheckpointManager(tmp_path, read_only=read_only) as mgr:
+            assert mgr.all_steps() == [1, 2]
+            with pytest.raises(CorruptCheckpointError, match="cannot be read"):
+                mgr.restore(2)
+            assert mgr.restore() == {"s": [1]}
+
+
+def test_failed_open_releases_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the constructor fails after locking, the directory is not left locked."""
+
+    def broken(*args: Any) -> None:
+        raise OSError("cleanup failed")
+
+    monkeypatch.setattr(_commit, "clean_leftovers", broken)
+    with pytest.raises(OSError, match="cleanup failed"):
+        CheckpointManager(tmp_path)
+    monkeypatch.undo()
+    CheckpointManager(tmp_path).close()
+
+
+def test_commit_error_is_kept_even_if_the_step_cannot_be_read_back(tmp_path: Path) -> None:
+    """A commit that fails with a broken final directory still reports once and frees the step."""
+
+    def squat() -> None:
+        (tmp_path / "checkpoint_1" / "_CHECKPOINT.json").mkdir(parents=True)
+
+    with CheckpointManager(tmp_path, handlers={"x": InMemoryHandler(on_write=squat)}) as mgr:
+        mgr.save(1, {"x": 1})
+        with pytest.raises(CommitError, match="appeared on disk meanwhile"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        with pytest.raises(CorruptCheckpointError, match="cannot be read"):
+            mgr.restore(1)
+
+
+def test_handler_that_does_not_match_the_manifest(tmp_path: Path) -> None:
+    """handlers= naming another handler than the one that wrote the item: MismatchError, no fallback."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"cfg": {"a": 1}})
+    with (
+        CheckpointManager(tmp_path, read_only=True, handlers={"cfg": JsonHandler()}) as mgr,
+        pytest.raises(
+            MismatchError, match=r"written by handler 'cairn\.numpy_tree'.*'cairn\.json'"
+        ),
+    ):
+        mgr.restore()
+
+
+def test_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
+    """A fork-started worker alive after close() does not block the next writer."""
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    go_read, go_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (fork hooks have run): report, wait until told, leave without cleanup
+        os.write(ready_write, b"r")
+        os.read(go_read, 1)
+        os._exit(0)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        mgr.close()
+        CheckpointManager(tmp_path).close()
+    finally:
+        os.write(go_write, b"x")
+        os.waitpid(pid, 0)
+        for fd in (go_read, go_write, ready_read, ready_write):
+            os.close(fd)
+
+
+def test_manager_dropped_without_close_releases_the_lock(tmp_path: Path) -> None:
+    """Garbage-collecting an unclosed writer frees the directory for the next one."""
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"s": [1]})
+    del mgr
+    gc.collect()
+    with CheckpointManager(tmp_path) as again:
+        assert again.all_steps() == [1]
+
+
+def test_refused_submit_leaves_no_step_in_flight(tmp_path: Path) -> None:
+    """If the commit thread refuses work (interpreter shutting down), save raises and frees its slot."""
+    mgr = CheckpointManager(tmp_path)
+    assert mgr._executor is not None
+    mgr._executor.shutdown()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        mgr.save(1, {"s": [1]})
+    assert mgr.should_save(1)
+    assert mgr._slots.acquire(blocking=False)
+
+
+def test_reader_sees_steps_deleted_by_the_writer_as_gone(tmp_path: Path) -> None:
+    """A read-only manager whose listing is stale gets StepNotFoundError, and restore() moves on."""
+    with CheckpointManager(tmp_path) as writer:
+        for step in (1, 2, 3):
+            writer.save(step, {"s": [step]})
+        writer.wait_until_finished()
+        with CheckpointManager(tmp_path, read_only=True) as reader:
+            assert reader.all_steps() == [1, 2, 3]
+            writer.delete(1)
+            writer.delete(3)
+            with pytest.raises(StepNotFoundError, match="step 1 was deleted"):
+                reader.restore(1)
+            assert reader.restore() == {"s": [2]}
+            assert reader.all_steps() == [2]
+
+
+def test_exception_in_with_body_is_not_replaced_by_a_commit_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A KeyboardInterrupt in the body propagates; the pending commit failure is logged."""
+
+    def fail() -> None:
+        raise RuntimeError("disk on fire")
+
+    with (
+        caplog.at_level(logging.ERROR, logger="cairn"),
+        pytest.raises(KeyboardInterrupt) as info,
+        CheckpointManager(tmp_path, handlers={"x": InMemoryHandler(on_write=fail)}) as mgr,
+    ):
+        mgr.save(1, {"x": 1})
+        raise KeyboardInterrupt
+    assert "disk on fire" in caplog.text
+    assert any("disk on fire" in note for note in info.value.__notes__)
+
+
+class LyingHandler(NumpyTreeHandler):
+    """Returns a record for a file outside what it wrote."""
+
+    id = "test.lying"
+
+    def snapshot(self, obj: Any) -> Any:
+        class Snap:
+            def write(self, directory: Path) -> list[FileRecord]:
+                (directory / "a.json").write_text("{}")
+                return [FileRecord("sub/../a.json", 2, 0)]
+
+        return Snap()
+
+
+def test_bad_file_record_fails_the_commit(tmp_path: Path) -> None:
+    """A handler's record with '..' in its path fails at commit time, not after a restart."""
+    with CheckpointManager(tmp_path, handlers={"x": LyingHandler()}) as mgr:
+        mgr.save(1, {"x": 1})
+        with pytest.raises(CommitError, match=r"must be relative, without '\.', '\.\.'"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == []
+
+
+def test_save_errors_name_the_item(tmp_path: Path) -> None:
+    """What a handler refuses is reported with the item's name."""
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(
+            TypeError, match="item 'opt_state': no handler is registered for object"
+        ):
+            mgr.save(1, {"opt_state": object()})
+        with pytest.raises(TypeError, match=r"item 'params': leaf at \['w'\] is a set"):
+            mgr.save(1, {"params": {"w": {1}}})
+        assert_tree_equal(mgr.all_steps(), [])
