@@ -1,0 +1,294 @@
+"""The pytree structure both array handlers store in ``tree.json``, and how it is read back.
+
+A node is a small JSON object: containers carry their keys and children, scalars their value, and
+array leaves whatever the handler's leaf function records (always ``t``, ``shape`` and ``dtype``).
+Keys are arbitrary strings and never become paths. With ``pytrees=True`` namedtuples and any node
+type registered with ``jax.tree_util`` (dataclasses, flax structs) are kept as such, with their
+keys; without a target they come back as dicts, with a target as the target's own types.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from cairn.handlers._files import StoredItem
+from cairn.handlers.errors import CorruptCheckpointError, MismatchError
+
+__all__ = ["KeyPath", "decode", "encode", "is_arraylike", "keystr", "load_tree", "walk_leaves"]
+
+TREE = "tree.json"
+KeyPath = tuple[str | int, ...]
+EncodeLeaf = Callable[[Any, KeyPath], dict[str, Any]]
+ReadLeaf = Callable[[Mapping[str, Any], Any, KeyPath], Any]  # (node, target leaf or NONE, path)
+NONE: Any = object()  # "no target", distinct from a target that is None
+
+
+def keystr(path: KeyPath) -> str:
+    """A key path as Python indexing, e.g. ``['params']['dense/kernel'][0]``; the root is ``<root>``."""
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+def is_arraylike(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or (
+        hasattr(x, "__array__") and hasattr(x, "shape")
+    )
+
+
+_SCALARS: dict[str, Callable[[Any], Any]] = {
+    "none": lambda v: None,
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "complex": lambda v: complex(v[0], v[1]),
+    "str": str,
+}
+_CONTAINERS = ("dict", "list", "tuple", "namedtuple", "custom")
+
+
+def encode(obj: Any, leaf: EncodeLeaf, *, pytrees: bool = False, path: KeyPath = ()) -> Any:
+    """The JSON node for `obj`; array-likes go through `leaf`. TypeError names the key path."""
+    if is_arraylike(obj):  # first: np.float64 is also a float
+        return leaf(obj, path)
+    if obj is None:
+        return {"t": "none"}
+    if isinstance(obj, bool):
+        return {"t": "bool", "v": obj}
+    if isinstance(obj, int):
+        return {"t": "int", "v": int(obj)}
+    if isinstance(obj, float):
+        return {"t": "float", "v": float(obj)}
+    if isinstance(obj, complex):
+        return {"t": "complex", "v": [obj.real, obj.imag]}
+    if isinstance(obj, str):
+        return {"t": "str", "v": obj}
+    if isinstance(obj, Mapping):
+        keys = list(obj)
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"dict key {k!r} at {keystr(path)} is a {type(k).__qualname__}; "
+                    "pytree dict keys must be strings"
+                )
+        children = [encode(obj[k], leaf, pytrees=pytrees, path=(*path, k)) for k in keys]
+        return {"t": "dict", "k": keys, "c": children}
+    if pytrees and isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        fields = list(obj._fields)
+        children = [
+            encode(v, leaf, pytrees=True, path=(*path, f)) for f, v in zip(fields, obj, strict=True)
+        ]
+        return {"t": "namedtuple", "type": _type_name(obj), "k": fields, "c": children}
+    if isinstance(obj, (list, tuple)):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        children = [encode(v, leaf, pytrees=pytrees, path=(*path, i)) for i, v in enumerate(obj)]
+        return {"t": kind, "c": children}
+    if pytrees and "jax" in sys.modules:
+        keyed = _flatten_custom(obj)
+        if keyed is not None:
+            keys = [_key_name(k) for k, _ in keyed]
+            children = [
+                encode(v, leaf, pytrees=True, path=(*path, k))
+                for k, (_, v) in zip(keys, keyed, strict=True)
+            ]
+            return {"t": "custom", "type": _type_name(obj), "k": keys, "c": children}
+    raise TypeError(f"leaf at {keystr(path)} is a {type(obj).__qualname__}, which cannot be stored")
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _flatten_custom(obj: Any) -> list[tuple[Any, Any]] | None:
+    from jax import tree_util
+
+    flat = tree_util.default_registry.flatten_one_level_with_keys(obj)
+    return None if flat is None else list(flat[0])
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def load_tree(stored: StoredItem) -> Any:
+    try:
+        return json.loads(stored.read_bytes(TREE))
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"{stored.describe_file(TREE)} does not parse: {e}") from None
+
+
+def decode(
+    node: Mapping[str, Any], read_leaf: ReadLeaf, target: Any = NONE, path: KeyPath = ()
+) -> Any:
+    """Rebuild the value of `node`: as saved, or (given `target`) in the target's shape and types.
+
+    Containers must agree with the target in kind, keys and length, else MismatchError naming the
+    key path; array nodes go to `read_leaf(node, target_leaf, path)`, which checks the rest. A
+    target leaf of None means "as saved" for that leaf.
+    """
+    t = node["t"]
+    if target is NONE or target is None:
+        if t in _SCALARS:
+            return _SCALARS[t](node.get("v"))
+        if t in ("dict", "namedtuple", "custom"):
+            return {
+                k: decode(c, read_leaf, NONE, (*path, k))
+                for k, c in zip(node["k"], node["c"], strict=True)
+            }
+        if t in ("list", "tuple"):
+            children = [decode(c, read_leaf, NONE, (*path, i)) for i, c in enumerate(node["c"])]
+            return children if t == "list" else tuple(children)
+        if t in ("array", "npscalar"):
+            return read_leaf(node, NONE, path)
+        raise CorruptCheckpointError(f"unknown node type {t!r} at {keystr(path)} in {TREE}")
+    if isinstance(target, Mapping):
+        children = _match_keys(node, list(target), path, "a dict")
+        return {k: decode(children[k], read_leaf, target[k], (*path, k)) for k in target}
+    if isinstance(target, tuple) and hasattr(target, "_fields") and t not in ("list", "tuple"):
+        children = _match_keys(
+            node, list(target._fields), path, "a namedtuple", ok=("namedtuple", "dict", "custom")
+        )
+        values = [
+            decode(children[f], read_leaf, v, (*path, f))
+            for f, v in zip(target._fields, target, strict=True)
+        ]
+        return type(target)(*values)
+    if isinstance(target, (list, tuple)):
+        if t not in ("list", "tuple"):
+            raise MismatchError(
+                f"at {keystr(path)}: the target is a {type(target).__qualname__}, the checkpoint a {t}"
+            )
+        if len(node["c"]) != len(target):
+            raise MismatchError(
+                f"at {keystr(path)}: the target has {len(target)} entries, the checkpoint {len(node['c'])}"
+            )
+        values = [
+            decode(c, read_leaf, v, (*path, i))
+            for i, (c, v) in enumerate(zip(node["c"], target, strict=True))
+        ]
+        if isinstance(target, list):
+            return values
+        return type(target)(*values) if hasattr(target, "_fields") else tuple(values)
+    if not is_arraylike(target) and not hasattr(target, "dtype") and "jax" in sys.modules:
+        keyed = _flatten_custom(target)
+        if keyed is not None:
+            return _decode_custom(node, read_leaf, target, keyed, path)
+    if t in _CONTAINERS:
+        raise MismatchError(
+            f"at {keystr(path)}: the target is a leaf ({type(target).__qualname__}), the checkpoint a {t}"
+        )
+    if t in ("array", "npscalar"):
+        return read_leaf(node, target, path)
+    if hasattr(target, "shape") and hasattr(target, "dtype"):
+        raise MismatchError(f"at {keystr(path)}: the target is an array, the checkpoint a {t}")
+    return _SCALARS[t](node.get("v"))
+
+
+def _match_keys(
+    node: Mapping[str, Any],
+    keys: list[str],
+    path: KeyPath,
+    what: str,
+    ok: tuple[str, ...] = ("dict",),
+) -> dict[str, Any]:
+    if node["t"] not in ok:
+        raise MismatchError(
+            f"at {keystr(path)}: the target is {what}, the checkpoint a {node['t']}"
+        )
+    stored = list(node["k"])
+    if set(stored) != set(keys):
+        missing = sorted(set(keys) - set(stored))
+        extra = sorted(set(stored) - set(keys))
+        raise MismatchError(
+            f"at {keystr(path)}: keys differ; only in the target: {missing}, only in the checkpoint: {extra}"
+        )
+    return dict(zip(stored, node["c"], strict=True))
+
+
+def _decode_custom(
+    node: Mapping[str, Any],
+    read_leaf: ReadLeaf,
+    target: Any,
+    keyed: list[tuple[Any, Any]],
+    path: KeyPath,
+) -> Any:
+    from jax import tree_util
+
+    keys = [_key_name(k) for k, _ in keyed]
+    children = _match_keys(
+        node, keys, path, f"a {type(target).__qualname__}", ok=("custom", "dict", "namedtuple")
+    )
+    values = [
+        decode(children[k], read_leaf, v, (*path, k)) for k, (_, v) in zip(keys, keyed, strict=True)
+    ]
+    one_level = tree_util.tree_structure(target, is_leaf=lambda x: x is not target)
+    return tree_util.tree_unflatten(one_level, values)
+
+
+def check_leaf(
+    node: Mapping[str, Any], target: Any, path: KeyPath, *, dtype: np.dtype | None = None
+) -> None:
+    """Shape and dtype of a stored array against a target leaf; MismatchError names both sides."""
+    if (
+        target is NONE
+        or target is None
+        or not (hasattr(target, "shape") and hasattr(target, "dtype"))
+    ):
+        return
+    want_shape, have_shape = tuple(target.shape), tuple(node["shape"])
+    if want_shape != have_shape:
+        raise MismatchError(
+            f"at {keystr(path)}: shape {have_shape} in the checkpoint, {want_shape} in the target"
+        )
+    have = dtype if dtype is not None else dtype_from_name(node["dtype"])
+    if np.dtype(target.dtype) != have:
+        raise MismatchError(
+            f"at {keystr(path)}: dtype {have} in the checkpoint, {np.dtype(target.dtype)} in the target"
+        )
+
+
+def walk_leaves(
+    node: Mapping[str, Any], path: KeyPath = ()
+) -> list[tuple[KeyPath, Mapping[str, Any]]]:
+    """Every leaf node (arrays and scalars) with its key path, in storage order."""
+    if node["t"] in ("dict", "namedtuple", "custom"):
+        out = []
+        for k, c in zip(node["k"], node["c"], strict=True):
+            out += walk_leaves(c, (*path, k))
+        return out
+    if node["t"] in ("list", "tuple"):
+        out = []
+        for i, c in enumerate(node["c"]):
+            out += walk_leaves(c, (*path, i))
+        return out
+    return [(path, node)]
+
+
+# ---------------------------------------------------------------------------- dtypes
+
+_ML_DTYPES = frozenset(
+    {
+        "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+        "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu", "float4_e2m1fn",
+        "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
+    }
+)  # fmt: skip
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """How a dtype is written down: NumPy's own string (``<f4``), or the ml_dtypes name (``bfloat16``)."""
+    return dtype.name if dtype.kind == "V" and dtype.name in _ML_DTYPES else dtype.str
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    if name in _ML_DTYPES:
+        import ml_dtypes  # a dependency of jax; needed only for bfloat16 and friends
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
