@@ -40,7 +40,7 @@ def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_many_kills(tmp_path: Path, mode: str) -> None:
     """The long version: 250 kills per mode (make soak)."""
-    args = ("--sync",) if mode == "sync" else ("--late-metrics",)
+    args = ("--sync", "--late-metrics") if mode == "sync" else ("--late-metrics",)
     stats = run_trials(
         tmp_path, 250, writer_args=args, keep_latest=2, keep_best=2, min_saves=2, seed=3
     )
