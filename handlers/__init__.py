@@ -13,6 +13,7 @@ from cairn.handlers._memory import InMemoryHandler
 from cairn.handlers._numpy_tree import NumpyTreeHandler
 from cairn.handlers._protocol import Handler, Snapshot
 from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
+from cairn.handlers._train_state import LazyArray, TrainStateHandler, TrainStateRestore
 
 __all__ = [
     "ChecksummedFile",
@@ -20,9 +21,12 @@ __all__ = [
     "Handler",
     "InMemoryHandler",
     "JsonHandler",
+    "LazyArray",
     "NumpyTreeHandler",
     "Snapshot",
     "StoredItem",
+    "TrainStateHandler",
+    "TrainStateRestore",
     "errors",
     "handler_by_id",
     "handler_for",
@@ -33,5 +37,7 @@ __all__ = [
 
 # Built-in defaults. JsonHandler is known by id only: it is never picked from an item's type, only
 # named in handlers= (or found by id when a step it wrote is restored).
-register(NumpyTreeHandler(), dict, list, tuple, int, float, complex, _np.ndarray, _np.generic)
+# NumpyTreeHandler stays known by id, so steps it wrote restore.
+register(TrainStateHandler(), dict, list, tuple, int, float, complex, _np.ndarray, _np.generic)
+register(NumpyTreeHandler())
 register(JsonHandler())

@@ -6,6 +6,7 @@ step is restored, from what its manifest recorded.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -56,11 +57,21 @@ def registered_types() -> Mapping[type, Handler]:
 
 
 def handler_for(obj: Any) -> Handler:
-    """The default handler for `obj`'s type, walking its MRO; TypeError if there is none."""
+    """The default handler for `obj`'s type, walking its MRO; TypeError if there is none.
+
+    With JAX loaded, a ``jax.Array`` or any node type registered with ``jax.tree_util`` (a flax
+    struct, a registered dataclass) that has no handler of its own goes to the handler of ``dict``,
+    the pytree handler.
+    """
     for typ in type(obj).__mro__:
         handler = _BY_TYPE.get(typ)
         if handler is not None:
             return handler
+    jax = sys.modules.get("jax")
+    if jax is not None and dict in _BY_TYPE:
+        is_pytree = jax.tree_util.default_registry.flatten_one_level(obj) is not None
+        if is_pytree or isinstance(obj, jax.Array):
+            return _BY_TYPE[dict]
     raise TypeError(
         f"no handler is registered for {type(obj).__qualname__}; pass handlers={{name: handler}} "
         "(JSON data goes through an explicit JsonHandler) or register one with "

@@ -148,14 +148,14 @@ def decode(
             return read_leaf(node, NONE, path)
         raise CorruptCheckpointError(f"unknown node type {t!r} at {keystr(path)} in {TREE}")
     if isinstance(target, Mapping):
-        children = _match_keys(node, list(target), path, "a dict")
-        return {k: decode(children[k], read_leaf, target[k], (*path, k)) for k in target}
+        by_key = _match_keys(node, list(target), path, "a dict")
+        return {k: decode(by_key[k], read_leaf, target[k], (*path, k)) for k in target}
     if isinstance(target, tuple) and hasattr(target, "_fields") and t not in ("list", "tuple"):
-        children = _match_keys(
+        fields = _match_keys(
             node, list(target._fields), path, "a namedtuple", ok=("namedtuple", "dict", "custom")
         )
         values = [
-            decode(children[f], read_leaf, v, (*path, f))
+            decode(fields[f], read_leaf, v, (*path, f))
             for f, v in zip(target._fields, target, strict=True)
         ]
         return type(target)(*values)
@@ -232,9 +232,14 @@ def _decode_custom(
 
 
 def check_leaf(
-    node: Mapping[str, Any], target: Any, path: KeyPath, *, dtype: np.dtype | None = None
+    node: Mapping[str, Any],
+    target: Any,
+    path: KeyPath,
+    *,
+    dtype: np.dtype | None = None,
+    check_dtype: bool = True,
 ) -> None:
-    """Shape and dtype of a stored array against a target leaf; MismatchError names both sides."""
+    """Shape and dtype (`dtype`, else the stored one) against a target leaf; MismatchError names both."""
     if (
         target is NONE
         or target is None
@@ -247,7 +252,7 @@ def check_leaf(
             f"at {keystr(path)}: shape {have_shape} in the checkpoint, {want_shape} in the target"
         )
     have = dtype if dtype is not None else dtype_from_name(node["dtype"])
-    if np.dtype(target.dtype) != have:
+    if check_dtype and np.dtype(target.dtype) != have:
         raise MismatchError(
             f"at {keystr(path)}: dtype {have} in the checkpoint, {np.dtype(target.dtype)} in the target"
         )

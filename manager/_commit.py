@@ -6,12 +6,14 @@ except `clean_leftovers`, which the manager calls once at start-up.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import shutil
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +113,35 @@ def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, 
             )
 
 
+def _load_syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
+
+
 def fsync_tree(top: Path) -> None:
-    """fsync every file and directory under `top`, children before parents."""
-    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+    """Make every file and directory under `top` durable.
+
+    On Linux one ``syncfs(2)`` of the filesystem holding `top` does it (it also flushes other dirty
+    data there); it costs one call instead of an fsync per file, which matters for the hundreds of
+    chunk files of a train state. Elsewhere: fsync every file and directory, children first.
+    """
+    if _syncfs is not None:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syncfs of {top} failed: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        return
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False, onerror=_raise):
         for filename in filenames:
             fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
             try:
@@ -121,6 +149,10 @@ def fsync_tree(top: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def write_metrics(step_dir: Path, metrics: Mapping[str, float]) -> None:

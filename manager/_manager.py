@@ -524,20 +524,11 @@ class CheckpointManager:
                     f"{entry.version}; this cairn has version {handler.version}"
                 )
             stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
-            for record in entry.files:  # a missing or truncated file fails before any parsing
-                path = stored.directory / record.path
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    self._check_still_there(step, step_dir)
-                    raise CorruptCheckpointError(
-                        f"{stored.describe_file(record.path)} is missing"
-                    ) from None
-                if size != record.size:
-                    raise CorruptCheckpointError(
-                        f"{stored.describe_file(record.path)} has {size} bytes, "
-                        f"the manifest says {record.size}"
-                    )
+            try:
+                stored.check_files()  # a missing or truncated file fails before any parsing
+            except CorruptCheckpointError:
+                self._check_still_there(step, step_dir)
+                raise
             try:
                 restored[name] = handler.restore(stored, target)
             except CorruptCheckpointError:

@@ -22,6 +22,7 @@ from cairn.handlers import (
     JsonHandler,
     NumpyTreeHandler,
     StoredItem,
+    TrainStateHandler,
 )
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager
@@ -175,6 +176,18 @@ class TestNumpyTreeHandler(HandlerContract):
         obj["big"][:] = 0
         obj["opt"][0][0] = 99
         obj["step"] = 13
+
+
+class TestTrainStateHandler(HandlerContract):
+    @pytest.fixture
+    def handler(self) -> Handler:
+        return TrainStateHandler(chunk_bytes=4096)  # several chunks per large leaf
+
+    def sample(self) -> Any:
+        return numpy_sample()
+
+    def mutate(self, obj: Any) -> None:
+        TestNumpyTreeHandler.mutate(self, obj)  # type: ignore[arg-type]
 
 
 class TestInMemoryHandler(HandlerContract):

@@ -95,15 +95,15 @@ def test_registry_picks_by_mro_and_refuses_conflicts() -> None:
     class MyDict(dict):  # type: ignore[type-arg]
         pass
 
-    assert handler_for(MyDict()).id == "cairn.numpy_tree"
-    assert handler_for(collections.OrderedDict()).id == "cairn.numpy_tree"
+    assert handler_for(MyDict()).id == "cairn.train_state"
+    assert handler_for(collections.OrderedDict()).id == "cairn.train_state"
     with pytest.raises(TypeError, match="no handler is registered for object"):
         handler_for(object())
 
     class Other(NumpyTreeHandler):
         id = "test.other"
 
-    with pytest.raises(ValueError, match=r"type dict already has handler 'cairn\.numpy_tree'"):
+    with pytest.raises(ValueError, match=r"type dict already has handler .cairn\.train_state."):
         register(Other(), dict)
     with pytest.raises(TypeError, match="no `snapshot` method"):
         register(type("H", (), {"id": "x", "version": 1})())  # type: ignore[arg-type]

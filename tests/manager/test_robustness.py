@@ -92,7 +92,7 @@ def test_handler_that_does_not_match_the_manifest(tmp_path: Path) -> None:
     with (
         CheckpointManager(tmp_path, read_only=True, handlers={"cfg": JsonHandler()}) as mgr,
         pytest.raises(
-            MismatchError, match=r"written by handler 'cairn\.numpy_tree'.*'cairn\.json'"
+            MismatchError, match=r"written by handler 'cairn\.train_state'.*'cairn\.json'"
         ),
     ):
         mgr.restore()
