@@ -1,0 +1,269 @@
+"""TrainStateHandler: donation safety, shardings, T5X's restore options, pytree node types."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import Gate
+from test_conformance import stored, write_item
+
+from cairn.handlers import InMemoryHandler, LazyArray, TrainStateHandler, TrainStateRestore
+from cairn.handlers.errors import MismatchError
+from cairn.manager import CheckpointManager, CommitError
+
+
+def jax_state(seed: int = 0) -> dict[str, Any]:
+    k = jax.random.PRNGKey(seed)
+    return {
+        "params": {"dense": {"kernel": jax.random.normal(k, (64, 32)), "bias": jnp.zeros(32)}},
+        "opt_state": {"mu": {"dense": {"kernel": jnp.ones((64, 32)), "bias": jnp.ones(32)}}},
+        "step": jnp.array(7, jnp.int32),
+    }
+
+
+def host_copy(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True), tree)
+
+
+def assert_close_trees(got: Any, want: Any) -> None:
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want)
+    assert got_def == want_def, (got_def, want_def)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_donating_the_state_right_after_save_keeps_the_checkpoint_exact(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """The next jitted step donates the state while the write is held; restore gives the old values."""
+    state = jax_state()
+    before = host_copy(state)
+    train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers) as mgr:
+        mgr.save(1, {"gate": 0, "state": state})  # the gate item is written first
+        assert gate.entered.wait(30)
+        new_state = train_step(state)  # donation is asked for while the snapshot views the buffers
+        assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(state)), (
+            "JAX donated buffers that the snapshot still reads: the views did not protect them"
+        )
+        gate.release.set()
+        mgr.wait_until_finished()
+        restored = mgr.restore(1, {"state": None})["state"]
+        assert_close_trees(restored, before)
+        # Once committed, the snapshot lets go: the next donation really donates.
+        newer = train_step(new_state)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(new_state))
+        del newer
+
+
+def test_deleting_a_source_array_mid_write_fails_the_commit(tmp_path: Path, gate: Gate) -> None:
+    """If a source array is deleted while its write is in flight, the step is not committed."""
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers) as mgr:
+        mgr.save(1, {"state": jax_state()})
+        mgr.wait_until_finished()
+        victim = jax_state(1)
+        mgr.save(2, {"gate": 0, "state": victim})
+        assert gate.entered.wait(30)
+        victim["params"]["dense"]["kernel"].delete()
+        gate.release.set()
+        with pytest.raises(
+            CommitError, match=r"\['params'\]\['dense'\]\['kernel'\] was deleted or donated"
+        ):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: Any
+    params: Any
+    opt_state: Any
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["step", "params", "opt_state"], meta_fields=[]
+)
+Moments = collections.namedtuple("Moments", ["mu", "nu"])
+
+
+def test_registered_dataclasses_and_namedtuples(tmp_path: Path) -> None:
+    """Custom pytree nodes restore as their own types with a target, as dicts without one."""
+    obj = TrainState(jnp.array(3), {"w": jnp.ones((2, 2))}, Moments(jnp.zeros(2), jnp.ones(2)))
+    handler = TrainStateHandler()
+    records = write_item(handler, obj, tmp_path / "item")
+    item = stored(tmp_path / "item", records)
+    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), obj)
+    got = handler.restore(item, target)
+    assert isinstance(got, TrainState) and isinstance(got.opt_state, Moments)
+    assert isinstance(got.params["w"], jax.Array)
+    assert_close_trees(got, obj)
+    plain = handler.restore(item)
+    assert set(plain) == {"step", "params", "opt_state"} and set(plain["opt_state"]) == {"mu", "nu"}
+
+
+def test_save_dtype_restore_dtype_and_the_cast_predicates(tmp_path: Path) -> None:
+    """save_dtype casts only the params on disk; a f32 target undoes it; restore_dtype casts on read."""
+    state = {
+        "params": {"w": np.linspace(0, 1, 12, dtype=np.float32)},
+        "opt": {"m": np.ones(3, np.float32)},
+    }
+    handler = TrainStateHandler(
+        save_dtype=ml_dtypes.bfloat16, save_dtype_where=lambda p: p[0] == "params"
+    )
+    records = write_item(handler, state, tmp_path / "item")
+    item = stored(tmp_path / "item", records)
+    described = {leaf["path"]: leaf["dtype"] for leaf in handler.describe(item)["leaves"]}
+    assert described == {"['params']['w']": "bfloat16", "['opt']['m']": "<f4"}
+    as_saved = handler.restore(item)
+    assert as_saved["params"]["w"].dtype == ml_dtypes.bfloat16
+    back = handler.restore(
+        item, {"params": {"w": np.zeros(12, np.float32)}, "opt": {"m": np.zeros(3, np.float32)}}
+    )
+    assert back["params"]["w"].dtype == np.float32
+    np.testing.assert_allclose(back["params"]["w"], state["params"]["w"], atol=1e-2)
+    cast = handler.restore(
+        item, TrainStateRestore(restore_dtype=np.float16, cast=lambda p: p[0] == "opt")
+    )
+    assert cast["opt"]["m"].dtype == np.float16 and cast["params"]["w"].dtype == ml_dtypes.bfloat16
+
+
+def test_partial_restore_by_subtree_and_by_predicate(tmp_path: Path) -> None:
+    """subtree= returns only that subtree; where= reads only matching leaves."""
+    state = host_copy(jax_state())
+    handler = TrainStateHandler()
+    item = stored(tmp_path / "item", write_item(handler, state, tmp_path / "item"))
+    params = handler.restore(item, TrainStateRestore(subtree=("params",)))
+    assert_close_trees(params, state["params"])
+    only_kernel = handler.restore(item, TrainStateRestore(where=lambda p: p[-1] == "kernel"))
+    assert only_kernel["params"]["dense"]["bias"] is None
+    np.testing.assert_array_equal(
+        only_kernel["params"]["dense"]["kernel"], state["params"]["dense"]["kernel"]
+    )
+    with pytest.raises(MismatchError, match=r"subtree \['nope'\]"):
+        handler.restore(item, TrainStateRestore(subtree=("nope",)))
+
+
+def test_transforms_then_fallback_then_target(tmp_path: Path) -> None:
+    """T5X order: transforms on the restored state, then missing keys from fallback_state."""
+    saved = {"params": {"old_name": np.arange(4.0)}}
+    handler = TrainStateHandler()
+    item = stored(tmp_path / "item", write_item(handler, saved, tmp_path / "item"))
+
+    def rename(state: Any, target: Any) -> Any:
+        return {"params": {"new_name": state["params"]["old_name"]}}
+
+    target = {"params": {"new_name": np.zeros(4), "added": np.zeros(2)}}
+    fallback = {"params": {"added": np.full(2, 9.0)}}
+    got = handler.restore(
+        item, TrainStateRestore(target, transforms=[rename], fallback_state=fallback)
+    )
+    np.testing.assert_array_equal(got["params"]["new_name"], np.arange(4.0))
+    np.testing.assert_array_equal(got["params"]["added"], np.full(2, 9.0))
+    with pytest.raises(MismatchError, match=r"only in the target: \['added'\]"):
+        handler.restore(item, TrainStateRestore(target, transforms=[rename]))
+
+
+def test_lazy_restore_reads_on_first_use(tmp_path: Path) -> None:
+    """lazy=True gives LazyArray leaves with shape and dtype; get() reads the data."""
+    state = {"w": np.arange(6.0).reshape(2, 3)}
+    handler = TrainStateHandler()
+    item = stored(tmp_path / "item", write_item(handler, state, tmp_path / "item"))
+    got = handler.restore(item, TrainStateRestore(lazy=True))
+    leaf = got["w"]
+    assert isinstance(leaf, LazyArray) and leaf.shape == (2, 3) and leaf.dtype == np.float64
+    np.testing.assert_array_equal(leaf.get(), state["w"])
+    np.testing.assert_array_equal(np.asarray(leaf), state["w"])
+
+
+def test_mismatch_names_the_key_path_and_both_sides(tmp_path: Path) -> None:
+    """Shape and dtype disagreements with the target name the leaf and both values."""
+    handler = TrainStateHandler()
+    item = stored(
+        tmp_path / "item",
+        write_item(handler, {"w": np.ones((2, 3), np.float32)}, tmp_path / "item"),
+    )
+    with pytest.raises(
+        MismatchError, match=r"\['w'\]: shape \(2, 3\) in the checkpoint, \(3, 2\) in the target"
+    ):
+        handler.restore(item, {"w": jax.ShapeDtypeStruct((3, 2), np.float32)})
+    with pytest.raises(
+        MismatchError, match=r"\['w'\]: dtype float32 in the checkpoint, int32 in the target"
+    ):
+        handler.restore(item, {"w": jax.ShapeDtypeStruct((2, 3), np.int32)})
+
+
+def test_layout_is_plain_zarr3_in_chunks(tmp_path: Path) -> None:
+    """Each array is a zarr v3 array that TensorStore opens by itself; chunks respect chunk_bytes."""
+    big = np.random.default_rng(0).standard_normal((1000, 64)).astype(np.float32)  # 256000 bytes
+    handler = TrainStateHandler(chunk_bytes=64 * 1024)
+    write_item(handler, {"big": big, "s": np.float32(2)}, tmp_path / "item")
+    meta = json.loads((tmp_path / "item" / "arrays" / "0" / "zarr.json").read_text())
+    assert meta["codecs"][-1] == {"name": "crc32c"}
+    rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    assert rows * 64 * 4 <= 64 * 1024 and 1000 % rows == 0
+    store = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(tmp_path / "item" / "arrays" / "0")},
+        }
+    ).result()
+    np.testing.assert_array_equal(store.read().result(), big)
+    chunks = [p for p in (tmp_path / "item" / "arrays" / "0").iterdir() if p.name != "zarr.json"]
+    assert len(chunks) == 1000 // rows
+
+
+SHARDED = r"""
+import os, sys, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from cairn.manager import CheckpointManager
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+x = jax.device_put(full, NamedSharding(mesh, P("data", "model")))
+rep = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P()))
+with CheckpointManager(sys.argv[1]) as mgr:
+    mgr.save(1, {"state": {"x": x, "rep": rep}})
+    mgr.wait_until_finished()
+    for spec in (P("data", "model"), P("model", None), P(None, "data"), P()):
+        sharding = NamedSharding(mesh, spec)
+        target = {"x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding), "rep": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P()))}
+        got = mgr.restore(1, {"state": target})["state"]
+        assert got["x"].sharding == sharding, (got["x"].sharding, sharding)
+        for shard in got["x"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+        np.testing.assert_array_equal(np.asarray(got["rep"]), np.ones(8))
+files = sorted(os.listdir(os.path.join(sys.argv[1], "checkpoint_1", "state", "arrays", "0")))
+print("chunks", files)
+print("ok")
+"""
+
+
+def test_sharded_arrays_save_per_shard_and_restore_into_other_shardings(tmp_path: Path) -> None:
+    """4 CPU devices: shards are written once each and read back into four different shardings."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "chunks ['0.0', '0.1', '1.0', '1.1', 'zarr.json']" in out.stdout
+    assert out.stdout.strip().endswith("ok")
