@@ -37,8 +37,11 @@ from cairn.handlers._tree import (
     dtype_from_name,
     dtype_name,
     encode,
+    flatten_custom,
     keystr,
+    like,
     load_tree,
+    unflatten_custom,
     walk_leaves,
 )
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
@@ -205,9 +208,14 @@ def _zarr_fill(dtype: np.dtype) -> Any:
 
 
 def _choose_chunk(
-    region_shape: tuple[int, ...], itemsize: int, chunk_bytes: int
+    region_shape: tuple[int, ...], itemsize: int, chunk_bytes: int, *, whole_rows: bool
 ) -> tuple[int, ...]:
-    """The piece's own shape, split along axis 0 into equal parts of at most `chunk_bytes`."""
+    """The piece's own shape, split along axis 0 into parts of at most `chunk_bytes`.
+
+    Parts are equal (a divisor of the rows) so chunks never straddle two processes' shards. When
+    the piece spans the whole first axis (`whole_rows`) and no divisor is near the bound (a prime
+    row count, say), chunks of the bound are used and the last one is padded, as zarr requires.
+    """
     if not region_shape:
         return ()
     rows = region_shape[0]
@@ -216,6 +224,8 @@ def _choose_chunk(
         return tuple(max(1, n) for n in region_shape)
     cap = max(1, chunk_bytes // row_bytes)
     best = max(d for d in _divisors(rows) if d <= cap)
+    if whole_rows and best * 4 < cap:
+        best = cap
     return (best, *(max(1, n) for n in region_shape[1:]))
 
 
@@ -235,6 +245,8 @@ def _chunks_of(
     if not chunk:
         yield "0", data.reshape(())
         return
+    if data.size == 0:  # nothing to store: zarr reads absent chunks as the fill value
+        return
     origin = [s.start or 0 for s in region]
     step = chunk[0]
     for r0 in range(0, data.shape[0], step):
@@ -242,7 +254,12 @@ def _chunks_of(
             (origin[0] + r0) // step,
             *(o // c for o, c in zip(origin[1:], chunk[1:], strict=True)),
         ]
-        yield ".".join(map(str, coords)), data[r0 : r0 + step]
+        part = data[r0 : r0 + step]
+        if part.shape[0] < step:  # the padded edge chunk (see _choose_chunk)
+            padded = np.zeros((step, *part.shape[1:]), part.dtype)
+            padded[: part.shape[0]] = part
+            part = padded
+        yield ".".join(map(str, coords)), part
 
 
 def _write_chunks(
@@ -375,24 +392,30 @@ class TrainStateHandler:
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
             index = len(leaves)
             if isinstance(x, jax_array):
-                shape, src_dtype = tuple(x.shape), np.dtype(x.dtype)
-                shards = [s for s in x.addressable_shards if s.replica_id == 0]
-                pieces = [(_full_index(s.index, shape), np.asarray(s.data)) for s in shards]
+                shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
+                pieces, zero_copy = [], False
+                for shard in x.addressable_shards:
+                    if shard.replica_id != 0:
+                        continue
+                    view = np.asarray(shard.data)
+                    zero_copy |= _shares_buffer(view, shard.data)
+                    pieces.append((_full_index(shard.index, shape), _little_endian(view)))
                 region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
-                sources = [x]
+                sources = [x] if zero_copy else []  # only views need the donation check
                 kind = "jax"
             else:
                 arr = np.array(x, copy=True)
-                if arr.dtype.hasobject:
-                    raise TypeError(
-                        f"array at {keystr(path)} has dtype object, which cannot be stored"
-                    )
-                shape, src_dtype, region_shape = arr.shape, arr.dtype, arr.shape
-                pieces = [(tuple(slice(0, n) for n in shape), arr)]
+                src_dtype = _storable(arr.dtype, path)
+                shape, region_shape = arr.shape, arr.shape
+                pieces = [(tuple(slice(0, n) for n in shape), _little_endian(arr))]
                 sources = []
                 kind = "npscalar" if isinstance(x, np.generic) else "numpy"
+            src_dtype = src_dtype.newbyteorder("<") if src_dtype.byteorder == ">" else src_dtype
             dtype = self._stored_dtype(path, src_dtype)
-            chunk = _choose_chunk(region_shape, dtype.itemsize, self.chunk_bytes)
+            whole_rows = bool(shape) and region_shape[:1] == shape[:1]
+            chunk = _choose_chunk(
+                region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows
+            )
             leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources))
             node = {
                 "t": "npscalar" if kind == "npscalar" else "array",
@@ -450,7 +473,9 @@ class TrainStateHandler:
         if not simple and opts.target is not None:
             state = _align(state, opts.target, ())
         if opts.lazy:
-            return _map_leaves(state, lambda x: x.get() if isinstance(x, _Scalar) else x)
+            return _map_with_target(
+                state, None, lambda x, _: x.get() if isinstance(x, _Scalar) else x
+            )
         return _materialize(state, opts.target)
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
@@ -472,6 +497,28 @@ class TrainStateHandler:
             "leaves": leaves,
             "bytes": sum(r.size for r in stored.files.values()),
         }
+
+
+def _storable(dtype: np.dtype, path: KeyPath) -> np.dtype:
+    """Booleans, integers, floats (ml_dtypes included) and complex numbers; TypeError otherwise."""
+    if dtype.kind in "biufc" or dtype_name(dtype) != dtype.str:
+        return dtype
+    raise TypeError(
+        f"array at {keystr(path)} has dtype {dtype}, which cannot be stored in a train state "
+        "(numbers and booleans only)"
+    )
+
+
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    return arr.astype(arr.dtype.newbyteorder("<")) if arr.dtype.byteorder == ">" else arr
+
+
+def _shares_buffer(view: np.ndarray, device_array: Any) -> bool:
+    """Whether `view` is the device buffer itself (CPU), rather than a host copy (GPU/TPU, int4)."""
+    try:
+        return bool(view.size) and view.ctypes.data == device_array.unsafe_buffer_pointer()
+    except Exception:  # no pointer to compare: assume a view, so the donation check stays on
+        return True
 
 
 def _full_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -568,76 +615,47 @@ class _Scalar:
         return self.reader.read().result().astype(self.dtype, copy=False)[()]
 
 
-def _map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(tree, (LazyArray, _Scalar)):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_leaves(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map_leaves(v, fn) for v in tree]
-    if isinstance(tree, tuple):
-        values = [_map_leaves(v, fn) for v in tree]
+def _is_lazy(x: Any) -> bool:
+    return isinstance(x, (LazyArray, _Scalar))
+
+
+def _map_with_target(
+    tree: Any, target: Any, fn: Callable[[Any, Any], Any], is_leaf: Callable[[Any], bool] = _is_lazy
+) -> Any:
+    """Map `fn(leaf, target_leaf)` over the leaves of `tree`, walking `target` alongside (or None)."""
+    if is_leaf(tree):
+        return fn(tree, target)
+    if isinstance(tree, Mapping):
+        return like(
+            tree, {k: _map_with_target(v, _child(target, k), fn, is_leaf) for k, v in tree.items()}
+        )
+    if isinstance(tree, (list, tuple)):
+        values = [_map_with_target(v, _child(target, i), fn, is_leaf) for i, v in enumerate(tree)]
+        if isinstance(tree, list):
+            return values
         return type(tree)(*values) if hasattr(tree, "_fields") else tuple(values)
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.tree_util.default_registry.flatten_one_level(tree) is not None:
-        return _map_custom(tree, fn)
+    keyed = flatten_custom(tree)
+    if keyed is not None:
+        return unflatten_custom(
+            tree, [_map_with_target(v, _child(target, k), fn, is_leaf) for k, v in keyed]
+        )
     return tree
 
 
-def _map_custom(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    from jax import tree_util
-
-    one_level = tree_util.tree_structure(tree, is_leaf=lambda x: x is not tree)
-    children = tree_util.tree_leaves(tree, is_leaf=lambda x: x is not tree)
-    return tree_util.tree_unflatten(one_level, [_map_leaves(c, fn) for c in children])
+def _child(target: Any, key: str | int) -> Any:
+    if target is None:
+        return None
+    if isinstance(target, Mapping):
+        return target.get(key)
+    if isinstance(target, (list, tuple)) and isinstance(key, int):
+        return target[key] if key < len(target) else None
+    return getattr(target, key, None) if isinstance(key, str) else None
 
 
 def _materialize(state: Any, target: Any) -> Any:
-    """Read every lazy leaf: issue all reads first (TensorStore parallelises), then assemble."""
-    leaves: list[Any] = []
-    _collect(state, leaves)
-    targets: list[Any] = []
-    if target is not None:
-        _collect_targets(state, target, targets)
-    else:
-        targets = [None] * len(leaves)
-    results: dict[int, Any] = {}
-    for leaf, tgt in zip(leaves, targets, strict=True):
-        results[id(leaf)] = _start_read(leaf, tgt)
-    return _map_leaves(state, lambda x: results[id(x)]())
-
-
-def _collect(tree: Any, out: list[Any]) -> None:
-    def note(x: Any) -> Any:
-        out.append(x)
-        return x
-
-    _map_leaves(tree, note)
-
-
-def _collect_targets(state: Any, target: Any, out: list[Any]) -> None:
-    """Target leaves in the order `_collect` visits the state's lazy leaves."""
-    if isinstance(state, (LazyArray, _Scalar)):
-        out.append(target)
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            _collect_targets(v, target[k] if isinstance(target, Mapping) else _attr(target, k), out)
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            _collect_targets(v, target[i], out)
-    elif "jax" in sys.modules and sys.modules["jax"].tree_util.default_registry.flatten_one_level(
-        state
-    ):
-        from jax import tree_util
-
-        s_children = tree_util.tree_leaves(state, is_leaf=lambda x: x is not state)
-        t_children = tree_util.tree_leaves(target, is_leaf=lambda x: x is not target)
-        for s, t in zip(s_children, t_children, strict=True):
-            _collect_targets(s, t, out)
-
-
-def _attr(obj: Any, key: Any) -> Any:
-    return getattr(obj, key) if isinstance(key, str) and hasattr(obj, key) else None
+    """Read every lazy leaf: start all reads first (TensorStore runs them in parallel), then wait."""
+    started = _map_with_target(state, target, _start_read)
+    return _map_with_target(started, None, lambda finish, _: finish(), is_leaf=callable)
 
 
 def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
@@ -697,35 +715,66 @@ def _fill_from(state: Any, fallback: Any, target: Any) -> Any:
 
 
 def _align(state: Any, target: Any, path: KeyPath) -> Any:
-    """After transforms/fallback: the state must match the target's structure and shapes."""
+    """After transforms/fallback: give the state the target's structure and types, checking shapes.
+
+    The state comes from a restore without target, so namedtuples and custom nodes are dicts there.
+    """
     if isinstance(target, Mapping):
-        if not isinstance(state, Mapping):
-            raise MismatchError(
-                f"at {keystr(path)}: the target is a dict, the restored state a {type(state).__qualname__}"
-            )
-        missing = sorted(set(target) - set(state))
-        extra = sorted(set(state) - set(target))
-        if missing or extra:
-            raise MismatchError(
-                f"at {keystr(path)}: keys differ after transforms and fallback; only in the target: "
-                f"{missing}, only in the restored state: {extra}"
-            )
-        return {k: _align(state[k], target[k], (*path, k)) for k in target}
+        by_key = _by_keys(state, list(target), path)
+        return like(target, {k: _align(by_key[k], target[k], (*path, k)) for k in target})
+    if isinstance(target, tuple) and hasattr(target, "_fields") and isinstance(state, Mapping):
+        fields = _by_keys(state, list(target._fields), path)
+        return type(target)(
+            *[_align(fields[f], t, (*path, f)) for f, t in zip(target._fields, target, strict=True)]
+        )
     if isinstance(target, (list, tuple)):
         if not isinstance(state, (list, tuple)) or len(state) != len(target):
             raise MismatchError(
-                f"at {keystr(path)}: the target has {len(target)} entries, the restored state does not"
+                f"at {keystr(path)}: the target has {len(target)} entries, the restored state "
+                f"is a {type(state).__qualname__} of {len(state) if isinstance(state, (list, tuple)) else '-'}"
             )
         values = [
             _align(s, t, (*path, i)) for i, (s, t) in enumerate(zip(state, target, strict=True))
         ]
-        return type(target)(*values) if hasattr(target, "_fields") else type(target)(values)
+        if isinstance(target, list):
+            return values
+        return type(target)(*values) if hasattr(target, "_fields") else tuple(values)
+    keyed = flatten_custom(target)
+    if keyed is not None:
+        if isinstance(state, Mapping):
+            by_key = _by_keys(state, [k for k, _ in keyed], path)
+            return unflatten_custom(target, [_align(by_key[k], t, (*path, k)) for k, t in keyed])
+        state_keyed = flatten_custom(state) or []
+        if [k for k, _ in state_keyed] != [k for k, _ in keyed]:
+            raise MismatchError(
+                f"at {keystr(path)}: the restored state does not match the target's {type(target).__qualname__}"
+            )
+        return unflatten_custom(
+            target,
+            [_align(s, t, (*path, k)) for (k, t), (_, s) in zip(keyed, state_keyed, strict=True)],
+        )
     if (
         hasattr(target, "shape")
         and hasattr(state, "shape")
         and tuple(target.shape) != tuple(state.shape)
     ):
         raise MismatchError(
-            f"at {keystr(path)}: shape {tuple(state.shape)} in the restored state, {tuple(target.shape)} in the target"
+            f"at {keystr(path)}: shape {tuple(state.shape)} in the restored state, "
+            f"{tuple(target.shape)} in the target"
+        )
+    return state
+
+
+def _by_keys(state: Any, keys: list[str], path: KeyPath) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping):
+        raise MismatchError(
+            f"at {keystr(path)}: the target has keys {keys}, the restored state is a {type(state).__qualname__}"
+        )
+    missing = sorted(set(keys) - set(state))
+    extra = sorted(set(state) - set(keys))
+    if missing or extra:
+        raise MismatchError(
+            f"at {keystr(path)}: keys differ after transforms and fallback; only in the target: "
+            f"{missing}, only in the restored state: {extra}"
         )
     return state

@@ -149,7 +149,9 @@ def decode(
         raise CorruptCheckpointError(f"unknown node type {t!r} at {keystr(path)} in {TREE}")
     if isinstance(target, Mapping):
         by_key = _match_keys(node, list(target), path, "a dict")
-        return {k: decode(by_key[k], read_leaf, target[k], (*path, k)) for k in target}
+        return like(
+            target, {k: decode(by_key[k], read_leaf, target[k], (*path, k)) for k in target}
+        )
     if isinstance(target, tuple) and hasattr(target, "_fields") and t not in ("list", "tuple"):
         fields = _match_keys(
             node, list(target._fields), path, "a namedtuple", ok=("namedtuple", "dict", "custom")
@@ -175,10 +177,13 @@ def decode(
         if isinstance(target, list):
             return values
         return type(target)(*values) if hasattr(target, "_fields") else tuple(values)
-    if not is_arraylike(target) and not hasattr(target, "dtype") and "jax" in sys.modules:
-        keyed = _flatten_custom(target)
-        if keyed is not None:
-            return _decode_custom(node, read_leaf, target, keyed, path)
+    keyed = flatten_custom(target)
+    if keyed is not None:
+        keys = [k for k, _ in keyed]
+        what = f"a {type(target).__qualname__}"
+        by_key = _match_keys(node, keys, path, what, ok=("custom", "dict", "namedtuple"))
+        values = [decode(by_key[k], read_leaf, v, (*path, k)) for k, v in keyed]
+        return unflatten_custom(target, values)
     if t in _CONTAINERS:
         raise MismatchError(
             f"at {keystr(path)}: the target is a leaf ({type(target).__qualname__}), the checkpoint a {t}"
@@ -188,6 +193,32 @@ def decode(
     if hasattr(target, "shape") and hasattr(target, "dtype"):
         raise MismatchError(f"at {keystr(path)}: the target is an array, the checkpoint a {t}")
     return _SCALARS[t](node.get("v"))
+
+
+def like(target: Mapping[str, Any], values: dict[str, Any]) -> Any:
+    """`values` as the target's mapping type (OrderedDict, FrozenDict...) when it can be built so."""
+    if type(target) is dict:
+        return values
+    try:
+        return type(target)(values)  # type: ignore[call-arg]
+    except Exception:
+        return values
+
+
+def flatten_custom(obj: Any) -> list[tuple[str, Any]] | None:
+    """(key, child) pairs of a jax-registered pytree node, or None for anything else."""
+    if "jax" not in sys.modules or is_arraylike(obj) or hasattr(obj, "dtype"):
+        return None
+    keyed = _flatten_custom(obj)
+    return None if keyed is None else [(_key_name(k), v) for k, v in keyed]
+
+
+def unflatten_custom(target: Any, children: list[Any]) -> Any:
+    """A node of the target's type (and static data) with new children."""
+    from jax import tree_util
+
+    one_level = tree_util.tree_structure(target, is_leaf=lambda x: x is not target)
+    return tree_util.tree_unflatten(one_level, children)
 
 
 def _match_keys(
@@ -209,26 +240,6 @@ def _match_keys(
             f"at {keystr(path)}: keys differ; only in the target: {missing}, only in the checkpoint: {extra}"
         )
     return dict(zip(stored, node["c"], strict=True))
-
-
-def _decode_custom(
-    node: Mapping[str, Any],
-    read_leaf: ReadLeaf,
-    target: Any,
-    keyed: list[tuple[Any, Any]],
-    path: KeyPath,
-) -> Any:
-    from jax import tree_util
-
-    keys = [_key_name(k) for k, _ in keyed]
-    children = _match_keys(
-        node, keys, path, f"a {type(target).__qualname__}", ok=("custom", "dict", "namedtuple")
-    )
-    values = [
-        decode(children[k], read_leaf, v, (*path, k)) for k, (_, v) in zip(keys, keyed, strict=True)
-    ]
-    one_level = tree_util.tree_structure(target, is_leaf=lambda x: x is not target)
-    return tree_util.tree_unflatten(one_level, values)
 
 
 def check_leaf(

@@ -15,13 +15,14 @@ import cairn.handlers
 import cairn.manager
 from cairn.manager import CheckpointManager
 
-GOLDEN = Path(__file__).parent / "golden" / "v1"
+GOLDEN = Path(__file__).parent / "golden"
 
 
-def test_golden_v1_checkpoint_restores(tmp_path: Path) -> None:
-    """A checkpoint written by format version 1 (checked in) lists, restores and reports metrics."""
+@pytest.mark.parametrize("name", ["v1", "v1_train_state"])
+def test_golden_v1_checkpoint_restores(tmp_path: Path, name: str) -> None:
+    """Checked-in format-1 checkpoints (NumPy and train-state items) list, restore, report metrics."""
     root = tmp_path / "golden"
-    shutil.copytree(GOLDEN, root)
+    shutil.copytree(GOLDEN / name, root)
     with CheckpointManager(root, read_only=True) as mgr:
         assert mgr.all_steps() == [10, 20]
         got = mgr.restore()

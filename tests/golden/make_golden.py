@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cairn.handlers import JsonHandler
+from cairn.handlers import JsonHandler, NumpyTreeHandler, TrainStateHandler
 from cairn.manager import CheckpointManager
 
 
@@ -27,7 +27,11 @@ def golden_state() -> dict[str, object]:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
-    with CheckpointManager(root, async_save=False, handlers={"config": JsonHandler()}) as mgr:
+    state_handler = {"numpy_tree": NumpyTreeHandler, "train_state": TrainStateHandler}[
+        sys.argv[2]
+    ]()
+    handlers = {"config": JsonHandler(), "state": state_handler}
+    with CheckpointManager(root, async_save=False, handlers=handlers) as mgr:
         for step in (10, 20):
             mgr.save(
                 step,

@@ -267,3 +267,59 @@ def test_sharded_arrays_save_per_shard_and_restore_into_other_shardings(tmp_path
     assert out.returncode == 0, out.stderr
     assert "chunks ['0.0', '0.1', '1.0', '1.1', 'zarr.json']" in out.stdout
     assert out.stdout.strip().endswith("ok")
+
+
+def test_copied_shards_need_no_donation_check(tmp_path: Path, gate: Gate) -> None:
+    """int4 arrays reach the host as copies (as every array does on GPU): donating them is fine."""
+    x = jnp.arange(8, dtype=jnp.int4)
+    before = np.array(x)
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    step = jax.jit(lambda a: a + 1, donate_argnums=0)
+    with CheckpointManager(tmp_path, handlers=handlers) as mgr:
+        mgr.save(1, {"gate": 0, "state": {"x": x}})
+        assert gate.entered.wait(30)
+        step(x)
+        gate.release.set()
+        mgr.wait_until_finished()
+        got = mgr.restore(1, {"state": None})["state"]["x"]
+    np.testing.assert_array_equal(np.asarray(got), before)
+
+
+def test_odd_dtypes_and_shapes(tmp_path: Path) -> None:
+    """Big-endian data is stored little-endian; empty arrays write no chunk; strings are refused."""
+    handler = TrainStateHandler(chunk_bytes=4 * 1024)
+    obj = {
+        "be": np.arange(5, dtype=">f4"),
+        "empty": np.zeros((3, 0), np.float32),
+        "prime": np.arange(1009 * 3, dtype=np.float32).reshape(1009, 3),  # 1009 rows: a prime
+    }
+    records = write_item(handler, obj, tmp_path / "item")
+    got = handler.restore(stored(tmp_path / "item", records))
+    np.testing.assert_array_equal(got["be"], np.arange(5, dtype=np.float32))
+    assert got["empty"].shape == (3, 0)
+    np.testing.assert_array_equal(got["prime"], obj["prime"])
+    assert not [
+        r for r in records if r.path.startswith("arrays/1/") and r.path != "arrays/1/zarr.json"
+    ]
+    prime_chunks = [
+        r for r in records if r.path.startswith("arrays/2/") and not r.path.endswith(".json")
+    ]
+    assert 3 <= len(prime_chunks) <= 4  # ~4 KiB chunks, the last padded, not 1009 one-row files
+    for bad in (np.array(["a"]), np.array([b"x"]), np.array(["2020-01-01"], dtype="datetime64[D]")):
+        with pytest.raises(
+            TypeError, match=r"array at \['s'\] has dtype .*\(numbers and booleans only\)"
+        ):
+            handler.snapshot({"s": bad})
+
+
+def test_transforms_keep_the_targets_types(tmp_path: Path) -> None:
+    """With transforms or fallback, namedtuple, dataclass and OrderedDict targets keep their types."""
+    obj = TrainState(
+        np.int32(3), collections.OrderedDict(w=np.ones(2)), Moments(np.zeros(2), np.ones(2))
+    )
+    handler = TrainStateHandler()
+    item = stored(tmp_path / "item", write_item(handler, obj, tmp_path / "item"))
+    got = handler.restore(item, TrainStateRestore(obj, transforms=[lambda state, target: state]))
+    assert isinstance(got, TrainState) and isinstance(got.opt_state, Moments)
+    assert isinstance(got.params, collections.OrderedDict)
+    np.testing.assert_array_equal(got.opt_state.nu, np.ones(2))
