@@ -170,19 +170,25 @@ def write_metrics(step_dir: Path, metrics: Mapping[str, float]) -> None:
     fsync_dir(step_dir)
 
 
-def delete_step(root: Path, name: str) -> None:
-    """Remove a committed step: rename it to trash (atomic: it stops being a step), then rmtree.
+def delete_step(root: Path, name: str) -> Path | None:
+    """Retire a committed step: rename it to trash (atomic: from then on it is no step) and fsync.
 
-    A crash between the two leaves a ``.trash-*`` directory, which the next start removes.
+    Returns the trash path for `remove_trash`, or None if the step was already gone. A crash before
+    the trash is removed leaves a ``.trash-*`` directory, which the next start removes.
     """
     trash = root / trash_name(name)
     try:
         os.rename(root / name, trash)  # from here on the step is gone
     except FileNotFoundError:
         log.warning("cairn: step directory %s was already gone", root / name)
-        return
+        return None
+    fsync_dir(root)
+    return trash
+
+
+def remove_trash(trash: Path) -> None:
+    """Free the space of a retired step (slow on some filesystems; never on the commit path)."""
     try:
-        fsync_dir(root)
         shutil.rmtree(trash)
     except OSError as e:
         log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)

@@ -123,6 +123,8 @@ class CheckpointManager:
     blocked time). State shared with the commit thread (known steps, steps in flight, errors) is
     guarded by one lock. An error on the commit thread is kept and raised once, as CommitError with
     the original chained, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
+    A deleted step leaves the directory's listing on the commit thread (renamed to ``.trash-*``);
+    a second thread ("cairn-reclaim") then frees its space, and `close` waits for it.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (DirectoryLockedError otherwise); any number of
@@ -172,6 +174,7 @@ class CheckpointManager:
         self._commit_telemetry: dict[int, dict[str, float]] = {}
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reclaimer: concurrent.futures.ThreadPoolExecutor | None = None
         self._dir_lock: _DirectoryLock | None = None
         self._closed = False
 
@@ -190,6 +193,15 @@ class CheckpointManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="cairn-commit"
             )
+        # Deleted steps are renamed to trash on the commit thread; freeing their space is slow on
+        # some filesystems (seconds per GiB with online discard), so it happens here, off that path.
+        self._reclaimer = (
+            None
+            if read_only
+            else concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cairn-reclaim"
+            )
+        )
         newest = self._newest_intact()
         self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
 
@@ -368,12 +380,14 @@ class CheckpointManager:
 
     def _delete_now(self, step: int) -> None:
         try:
-            _commit.delete_step(self._root, self._names.format(step))
+            trash = _commit.delete_step(self._root, self._names.format(step))
         finally:
             if not (self._root / self._names.format(step)).exists():  # gone, whoever removed it
                 with self._lock:
                     self._steps.pop(step, None)
                     self._commit_telemetry.pop(step, None)
+        if trash is not None and self._reclaimer is not None:
+            self._reclaimer.submit(_commit.remove_trash, trash)
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""
@@ -411,8 +425,9 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            for pool in (self._executor, self._reclaimer):
+                if pool is not None:
+                    pool.shutdown(wait=True)
             if self._dir_lock is not None:
                 self._dir_lock.release()
 
