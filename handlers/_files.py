@@ -7,7 +7,9 @@ always computed from the bytes as they are written, never by reading the file ag
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -137,9 +139,11 @@ class StoredItem:
 
         For files a reader does not verify itself: a missing zarr chunk would read as zeros.
         """
-        for relpath, record in self.files.items():
+        names = self._sorted_names
+        for relpath in names[bisect.bisect_left(names, prefix) :]:
             if not relpath.startswith(prefix):
-                continue
+                break
+            record = self.files[relpath]
             try:
                 size = (self.directory / relpath).stat().st_size
             except FileNotFoundError:
@@ -148,6 +152,10 @@ class StoredItem:
                 raise CorruptCheckpointError(
                     f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
                 )
+
+    @functools.cached_property
+    def _sorted_names(self) -> list[str]:
+        return sorted(self.files)
 
     def read_bytes(self, relpath: str) -> bytes:
         record = self.files.get(relpath)
