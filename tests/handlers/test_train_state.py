@@ -21,7 +21,7 @@ from conftest import Gate
 from test_conformance import stored, write_item
 
 from cairn.handlers import InMemoryHandler, LazyArray, TrainStateHandler, TrainStateRestore
-from cairn.handlers.errors import MismatchError
+from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 from cairn.manager import CheckpointManager, CommitError
 
 
@@ -323,3 +323,24 @@ def test_transforms_keep_the_targets_types(tmp_path: Path) -> None:
     assert isinstance(got, TrainState) and isinstance(got.opt_state, Moments)
     assert isinstance(got.params, collections.OrderedDict)
     np.testing.assert_array_equal(got.opt_state.nu, np.ones(2))
+
+
+def test_reads_across_chunk_boundaries_are_checked_too(tmp_path: Path) -> None:
+    """A region that is not whole chunks goes through TensorStore, whose crc32c codec catches a flip."""
+    data = np.arange(4096, dtype=np.float32).reshape(256, 16)
+    handler = TrainStateHandler(chunk_bytes=4096)  # 64-row chunks
+    records = write_item(handler, {"w": data}, tmp_path / "item")
+    lazy = handler.restore(stored(tmp_path / "item", records), TrainStateRestore(lazy=True))["w"]
+    np.testing.assert_array_equal(
+        lazy._reader.read((slice(10, 100), slice(0, 16))).result(), data[10:100]
+    )
+    chunk = tmp_path / "item" / "arrays" / "0" / "1.0"
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 1
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=r"arrays/0 \(leaf \['w'\]\) cannot be read"):
+        lazy._reader.read((slice(10, 100), slice(0, 16))).result()
+    with pytest.raises(
+        CorruptCheckpointError, match=r"arrays/0/1\.0 \(leaf \['w'\]\) fails its crc32c"
+    ):
+        lazy.get()
