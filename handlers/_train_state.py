@@ -432,7 +432,7 @@ class TrainStateHandler:
         return _StateSnapshot(self, encode(obj, leaf, pytrees=True), leaves)
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
-        if self.save_dtype is None or (dtype.kind != "f" and dtype.name != "bfloat16"):
+        if self.save_dtype is None or not _is_float(dtype):
             return dtype
         if self.save_dtype_where is not None and not self.save_dtype_where(path):
             return dtype
@@ -529,7 +529,8 @@ def _full_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice
 
 
 def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype.name == "bfloat16"
+    """NumPy floats and the ml_dtypes ones (bfloat16, float8_*, ...), which NumPy files as void."""
+    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
 
 
 def _subtree(tree: Mapping[str, Any], key: str | int, whole: tuple[str | int, ...]) -> Any:
