@@ -1,4 +1,4 @@
-"""A T5X-like training loop that saves asynchronously, gets SIGKILLed, restarts and resumes.
+"""A T5X-like JAX training loop that saves asynchronously, gets SIGKILLed, restarts and resumes.
 
     python examples/train_and_resume.py [--dir DIR] [--steps N] [--every K] [--kill-at S]
 
@@ -13,6 +13,7 @@ uninterrupted run, bit for bit. Then the kept steps are listed with their metric
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cairn.manager import AnyOf, CheckpointManager, EveryNSteps, KeepBest, KeepLatest
@@ -31,7 +34,7 @@ DIM_IN, DIM_OUT, BATCH, LR, MOMENTUM = 1024, 512, 256, 0.01, 0.9
 
 
 def dataset(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A synthetic regression task: train and eval splits."""
+    """A synthetic regression task: train and eval splits (host arrays, like a data pipeline)."""
     rng = np.random.default_rng(seed)
     w_true = rng.standard_normal((DIM_IN, DIM_OUT)).astype(np.float32) / np.sqrt(DIM_IN)
     x = rng.standard_normal((4096, DIM_IN)).astype(np.float32)
@@ -40,41 +43,58 @@ def dataset(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 def init_state() -> dict[str, Any]:
+    """A T5X-like train state: params and optimizer state as jax.Arrays, plus host counters."""
     return {
-        "params": {"w": np.zeros((DIM_IN, DIM_OUT), np.float32)},
-        "opt_state": {"momentum": np.zeros((DIM_IN, DIM_OUT), np.float32)},
+        "params": {"w": jnp.zeros((DIM_IN, DIM_OUT), jnp.float32)},
+        "opt_state": {"momentum": jnp.zeros((DIM_IN, DIM_OUT), jnp.float32)},
         "data_position": 0,  # the input pipeline's position: where the next batch starts
         "step": 0,
     }
 
 
-def train_step(state: dict[str, Any], x: np.ndarray, y: np.ndarray) -> tuple[dict[str, Any], float]:
-    """One SGD-with-momentum step on the next batch; updates arrays in place, like a donated step."""
+@functools.partial(jax.jit, donate_argnums=(0, 1))  # the old buffers are reused, as in T5X
+def _update(params: Any, opt: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    err = xb @ params["w"] - yb
+    grad = xb.T @ err / BATCH
+    momentum = MOMENTUM * opt["momentum"] + grad
+    return {"w": params["w"] - LR * momentum}, {"momentum": momentum}
+
+
+def train_step(state: dict[str, Any], x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    """One SGD-with-momentum step on the next batch; donates the previous params and moments."""
     pos = state["data_position"]
     idx = np.arange(pos, pos + BATCH) % len(x)
-    xb, yb = x[idx], y[idx]
-    w = state["params"]["w"]
-    err = xb @ w - yb
-    grad = xb.T @ err / BATCH
-    m = state["opt_state"]["momentum"]
-    m *= MOMENTUM
-    m += grad
-    w -= LR * m
-    state["data_position"] = int((pos + BATCH) % len(x))
-    state["step"] += 1
-    return state, float(np.mean(err**2))
+    params, opt = _update(state["params"], state["opt_state"], x[idx], y[idx])
+    return {
+        "params": params,
+        "opt_state": opt,
+        "data_position": int((pos + BATCH) % len(x)),
+        "step": state["step"] + 1,
+    }
 
 
 def eval_loss(state: dict[str, Any], x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean((x @ state["params"]["w"] - y) ** 2))
+    return float(jnp.mean((x @ state["params"]["w"] - y) ** 2))
 
 
 def state_at(step: int, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
     """The trainer's state after `step` steps, recomputed from scratch (training is deterministic)."""
     state = init_state()
     for _ in range(step):
-        state, _ = train_step(state, data[0], data[1])
+        state = train_step(state, data[0], data[1])
     return state
+
+
+def abstract_state() -> Any:
+    """The restore target: shapes, dtypes and shardings of the arrays, no data."""
+    return jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        init_state(),
+    )
 
 
 def trees_equal(a: Any, b: Any) -> bool:
@@ -82,13 +102,15 @@ def trees_equal(a: Any, b: Any) -> bool:
         return (
             isinstance(b, dict) and a.keys() == b.keys() and all(trees_equal(a[k], b[k]) for k in a)
         )
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (np.ndarray, jax.Array)):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and np.array_equal(a, b)
     return bool(a == b)
 
 
 def worker(directory: Path, steps: int, every: int, kill_at: int | None) -> None:
-    logging.basicConfig(
+    logging.basicConfig(format="    %(message)s", stream=sys.stdout)
+    logging.getLogger("cairn").setLevel(logging.INFO)  # cairn logs each commit
         level=logging.INFO, format="    %(message)s", stream=sys.stdout
     )  # cairn logs
     data = dataset()
@@ -99,8 +121,7 @@ def worker(directory: Path, steps: int, every: int, kill_at: int | None) -> None
             print("  no checkpoint: starting from scratch", flush=True)
         else:
             t0 = time.perf_counter()
-            restored = mgr.restore()
-            state = restored["state"]
+            state = mgr.restore(items={"state": abstract_state()})["state"]
             took = (time.perf_counter() - t0) * 1e3
             ok = trees_equal(state, state_at(state["step"], data))
             print(
@@ -130,7 +151,7 @@ def worker(directory: Path, steps: int, every: int, kill_at: int | None) -> None
                     os.kill(os.getpid(), signal.SIGKILL)
             if step == steps:
                 break
-            state, _ = train_step(state, data[0], data[1])
+            state = train_step(state, data[0], data[1])
     final = state_at(steps, data)
     same = trees_equal(state, final)
     print(f"  final parameters equal an uninterrupted run of {steps} steps, bit for bit: {same}")
