@@ -111,8 +111,6 @@ def trees_equal(a: Any, b: Any) -> bool:
 def worker(directory: Path, steps: int, every: int, kill_at: int | None) -> None:
     logging.basicConfig(format="    %(message)s", stream=sys.stdout)
     logging.getLogger("cairn").setLevel(logging.INFO)  # cairn logs each commit
-        level=logging.INFO, format="    %(message)s", stream=sys.stdout
-    )  # cairn logs
     data = dataset()
     keep = AnyOf(KeepLatest(2), KeepBest(2, "eval_loss", mode="min"))
     with CheckpointManager(directory, save=EveryNSteps(every), keep=keep) as mgr:
