@@ -120,7 +120,7 @@ class LazyArray:
         self.path = reader.path
 
     def get(self) -> np.ndarray:
-        return self._reader.read_all().result().astype(self.dtype, copy=False)
+        return self._reader.read().result().astype(self.dtype, copy=False)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.get()
@@ -603,9 +603,6 @@ class _LeafReader:
         if not self.shape:  # rank 0 stored as shape ()
             view = store
         return _Guarded(view.read(), self)
-
-    def read_all(self) -> Any:
-        return self.read()
 
     def _whole_chunks(self, region: tuple[slice, ...]) -> list[tuple[str, int, int]] | None:
         """(file, first row, rows) of each chunk making up `region`, or None if it is not whole chunks."""

@@ -344,3 +344,35 @@ def test_reads_across_chunk_boundaries_are_checked_too(tmp_path: Path) -> None:
         CorruptCheckpointError, match=r"arrays/0/1\.0 \(leaf \['w'\]\) fails its crc32c"
     ):
         lazy.get()
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (
+            lambda: TrainStateHandler(chunk_bytes=0),
+            ValueError,
+            "chunk_bytes must be an int >= 1, got 0",
+        ),
+        (lambda: TrainStateHandler(threads=1.5), ValueError, "threads must be an int >= 1"),
+        (
+            lambda: TrainStateHandler(max_inflight_bytes=10),
+            ValueError,
+            "max_inflight_bytes must be an int",
+        ),
+        (lambda: TrainStateHandler(save_dtype="nope"), TypeError, "nope"),
+        (
+            lambda: TrainStateHandler(save_dtype_where=3),
+            TypeError,
+            "save_dtype_where must be a key-path predicate",
+        ),
+        (lambda: TrainStateRestore(subtree="params"), TypeError, "subtree must be a tuple of keys"),
+        (lambda: TrainStateRestore(where=1), TypeError, "where must be a key-path predicate"),
+        (lambda: TrainStateRestore(transforms=[1]), TypeError, "transforms must be callables"),
+        (lambda: TrainStateRestore(lazy="yes"), TypeError, "lazy must be a bool"),
+    ],
+)
+def test_bad_options_are_refused(make: Any, error: type[Exception], message: str) -> None:
+    """Handler and restore options are checked at construction, naming the option."""
+    with pytest.raises(error, match=message):
+        make()
