@@ -11,6 +11,8 @@ import bisect
 import dataclasses
 import functools
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +28,7 @@ __all__ = [
     "StoredItem",
     "check_relative",
     "fsync_dir",
+    "lower_thread_priority",
     "write_file",
 ]
 
@@ -106,6 +109,25 @@ def write_file(root: Path, relpath: str, data: bytes) -> FileRecord:
     with ChecksummedFile(root, relpath) as f:
         f.write(data)
     return f.record
+
+
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Lower the calling thread's CPU priority (Linux: each thread has its own nice value).
+
+    cairn's background threads (commit, chunk writers, reclaim) call this when they start, so that
+    on a machine whose cores the training step keeps busy, the step gets the CPU first and the
+    checkpoint takes the rest. A no-op where threads cannot be reprioritised.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError:
+        pass
 
 
 def fsync_dir(path: Path) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from cairn.handlers._files import FileRecord, StoredItem, write_file
+from cairn.handlers._files import FileRecord, StoredItem, lower_thread_priority, write_file
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -308,7 +308,7 @@ def _write_chunks(
     if not jobs:
         return []
     with concurrent.futures.ThreadPoolExecutor(
-        max_workers=threads, thread_name_prefix="cairn-write"
+        max_workers=threads, thread_name_prefix="cairn-write", initializer=lower_thread_priority
     ) as pool:
         return list(pool.map(lambda job: one(*job), jobs))
 

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
+from cairn.handlers._files import lower_thread_priority
 from cairn.handlers.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -124,7 +125,8 @@ class CheckpointManager:
     guarded by one lock. An error on the commit thread is kept and raised once, as CommitError with
     the original chained, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
     A deleted step leaves the directory's listing on the commit thread (renamed to ``.trash-*``);
-    a second thread ("cairn-reclaim") then frees its space, and `close` waits for it.
+    a second thread ("cairn-reclaim") then frees its space, and `close` waits for it. Background
+    threads run at a lower CPU priority (nice 10), so a training step on busy cores goes first.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (DirectoryLockedError otherwise); any number of
@@ -191,7 +193,7 @@ class CheckpointManager:
             raise
         if not read_only and async_save:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="cairn-commit"
+                max_workers=1, thread_name_prefix="cairn-commit", initializer=lower_thread_priority
             )
         # Deleted steps are renamed to trash on the commit thread; freeing their space is slow on
         # some filesystems (seconds per GiB with online discard), so it happens here, off that path.
@@ -199,7 +201,7 @@ class CheckpointManager:
             None
             if read_only
             else concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="cairn-reclaim"
+                max_workers=1, thread_name_prefix="cairn-reclaim", initializer=lower_thread_priority
             )
         )
         newest = self._newest_intact()

@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -210,3 +211,18 @@ def test_save_errors_name_the_item(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match=r"item 'params': leaf at \['w'\] is a set"):
             mgr.save(1, {"params": {"w": {1}}})
         assert_tree_equal(mgr.all_steps(), [])
+
+
+def test_background_threads_yield_the_cpu_to_training(tmp_path: Path) -> None:
+    """The commit thread runs at nice 10 (Linux threads have their own); the caller is untouched."""
+    seen: list[int] = []
+
+    def record() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with CheckpointManager(tmp_path, handlers={"x": InMemoryHandler(on_write=record)}) as mgr:
+        mgr.save(1, {"x": 1})
+        mgr.wait_until_finished()
+    assert seen == [max(caller, 10)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
