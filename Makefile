@@ -33,8 +33,10 @@ soak: install
 demo: install
 	$(BIN)/python examples/train_and_resume.py
 
+# The train-state benchmark (cairn vs orbax-checkpoint vs memcpy and write+fsync, ~5 min here);
+# bench/bench_save_restore.py is the older NumPy-leaf benchmark.
 bench: install
-	$(BIN)/python bench/bench_save_restore.py
+	$(BIN)/python bench/bench_train_state.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -30,37 +30,39 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
-import importlib.util
 import json
-import logging
-import os
-import platform
 import shutil
-import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Before jax/orbax are imported: CPU only, and no C++ (absl/TensorStore) INFO/WARNING lines.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-SCRATCH = RESULTS / "tmp"  # on the repo's disk, not /tmp (which may be tmpfs elsewhere)
+# _common sets the environment jax/orbax read at import (CPU only, quiet): import it before them.
+from _common import (
+    REPO,
+    RESULTS,
+    SCRATCH,
+    Limits,
+    MiB,
+    Timings,
+    check_equal,
+    fmt_range,
+    fmt_s,
+    machine_facts,
+    now,
+    parse_size,
+    quiet_logs,
+    scratch_filesystem,
+    size_label,
+    summarize,
+)
+
 DEFAULT_JSON = RESULTS / "latest.json"
 QUICK_JSON = RESULTS / "quick.json"
 DEFAULT_PNG = REPO / "docs" / "benchmarks.png"
-MiB = 1 << 20
-GiB = 1 << 30
 
 # Method keys in the JSON: "<system>.<measure>". The plot and the docs rely on these names.
 LABELS = {
@@ -80,12 +82,12 @@ LABELS = {
     "orbax_jax.restore": "orbax (jax.Array leaves): restore",
 }
 # cairn's own telemetry (info(step).telemetry), to show where the commit time goes.
-# tm_sync = tm_commit - tm_write (manifest, fsync of every file and directory, rename);
-# tm_after = committed - blocked - tm_commit (retention: deleting the previous step; thread hand-off).
+# tm_sync = tm_commit - tm_write (manifest, fsync or syncfs, rename);
+# tm_after = committed - blocked - tm_commit (retention and the thread hand-off).
 TELEMETRY = {
-    "cairn.tm_write": "  of which: write .npy files + crc32c (telemetry write_s)",
-    "cairn.tm_sync": "  of which: manifest + fsync each file/dir + rename",
-    "cairn.tm_after": "  of which: retention (delete previous step) + hand-off",
+    "cairn.tm_write": "  of which: write phase, files + crc32c (telemetry write_s)",
+    "cairn.tm_sync": "  of which: manifest, fsync/syncfs, rename",
+    "cairn.tm_after": "  of which: retention + hand-off",
     "cairn.tm_commit": "cairn telemetry: commit thread, start -> renamed",
 }
 
@@ -109,23 +111,6 @@ RATIOS = [
 
 
 # ----------------------------------------------------------------------------- the pytree
-
-
-def parse_size(text: str) -> int:
-    """'64M', '256M', '1G', '512K' (binary units) or a plain byte count."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    units = {"K": 1 << 10, "M": MiB, "G": GiB}
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def size_label(nbytes: int) -> str:
-    if nbytes % GiB == 0:
-        return f"{nbytes // GiB}G"
-    if nbytes % MiB == 0:
-        return f"{nbytes // MiB}M"
-    return f"{nbytes}B"
 
 
 def build_tree(nbytes: int, seed: int = 0) -> dict[str, Any]:
@@ -205,70 +190,6 @@ def describe_tree(leaves: list[np.ndarray]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- measurements
 
-Timings = dict[str, float]
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-class Limits:
-    """Machine limits for the same bytes: memcpy, fresh copy, one-file write+fsync, read back."""
-
-    name = "limit"
-
-    def __init__(self, leaves: list[np.ndarray], scratch: Path) -> None:
-        self.leaves = leaves
-        self.path = scratch / "plain.bin"
-        total = sum(a.nbytes for a in leaves)
-        self.flat = np.empty(total, dtype=np.uint8)
-        self.flat.fill(1)  # pre-fault every page, so memcpy is measured, not page faults
-        self.dst: list[np.ndarray] = []
-        offset = 0
-        for a in leaves:
-            self.dst.append(self.flat[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape))
-            offset += a.nbytes
-
-    def run(self, step: int) -> Timings:
-        t: Timings = {}
-        t0 = now()
-        for src, dst in zip(self.leaves, self.dst, strict=True):
-            np.copyto(dst, src)
-        t["memcpy"] = now() - t0
-
-        t0 = now()
-        copies = [np.array(a, copy=True) for a in self.leaves]
-        t["fresh_copy"] = now() - t0
-        del copies
-
-        t0 = now()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for a in self.leaves:
-                view = memoryview(a.reshape(-1).view(np.uint8))
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        t["write_fsync"] = now() - t0
-
-        t0 = now()
-        with open(self.path, "rb", buffering=0) as f:
-            view = memoryview(self.flat)
-            got = 0
-            while got < len(view):
-                n = f.readinto(view[got:])
-                if not n:
-                    raise RuntimeError(f"{self.path} is short: {got} of {len(view)} bytes")
-                got += n
-        t["read"] = now() - t0
-        self.path.unlink()
-        return t
-
-    def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-
 
 class Cairn:
     """cairn's CheckpointManager, async (blocked, committed, restore) or sync (committed)."""
@@ -340,20 +261,6 @@ class Orbax:
         self.mgr.close()
 
 
-def check_equal(expected: Any, got: Any, who: str) -> None:
-    """Compare by key path (Orbax gives dicts back with sorted keys)."""
-
-    def flat(tree: Any, path: str = "") -> dict[str, Any]:
-        if isinstance(tree, dict):
-            return {p: v for k in tree for p, v in flat(tree[k], f"{path}/{k}").items()}
-        return {path: tree}
-
-    want, have = flat(expected), flat(got)
-    bad = sorted(p for p in want if p not in have or not np.array_equal(want[p], have[p]))
-    if bad or set(have) != set(want):
-        raise AssertionError(f"{who}: the restored tree differs from the saved one at {bad[:3]}")
-
-
 def measure_size(nbytes: int, repeats: int, systems: list[str], log: Callable[[str], None]) -> Any:
     """Build the tree, run every method (warm-up + `repeats` interleaved rounds), return samples."""
     t0 = now()
@@ -397,65 +304,12 @@ def measure_size(nbytes: int, repeats: int, systems: list[str], log: Callable[[s
 # ----------------------------------------------------------------------------- summary
 
 
-def summarize(values: list[float], nbytes: int) -> dict[str, Any]:
-    med = statistics.median(values)
-    return {
-        "median_s": round(med, 6),
-        "min_s": round(min(values), 6),
-        "max_s": round(max(values), 6),
-        "gib_per_s": round(nbytes / GiB / med, 3) if med > 0 else None,
-        "n": len(values),
-        "samples_s": [round(v, 5) for v in values],
-    }
-
-
 def ratios(stats: dict[str, Any]) -> dict[str, float]:
     out = {}
     for label, num, den in RATIOS:
         if num in stats and den in stats and stats[den]["median_s"] > 0:
             out[label] = round(stats[num]["median_s"] / stats[den]["median_s"], 3)
     return out
-
-
-def machine_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-    try:
-        meminfo = Path("/proc/meminfo").read_text().split("\n")
-        kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
-        facts["mem_gib"] = round(kib / (1 << 20), 1)
-    except (OSError, StopIteration, ValueError):
-        pass
-    fs = scratch_filesystem()
-    if fs:
-        facts["scratch_fs"] = fs
-    for dist in ("numpy", "jax", "jaxlib", "orbax-checkpoint", "tensorstore", "cairn-ckpt"):
-        try:
-            facts[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            facts[dist] = None
-    return facts
-
-
-def scratch_filesystem() -> str | None:
-    """The filesystem type of the mount holding the scratch directory (from /proc/mounts)."""
-    try:
-        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    except OSError:
-        return None
-    target = str(SCRATCH.resolve())
-    best = ("", "")
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        mount = fields[1]
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best[0]):
-            best = (mount, fields[2])
-    return f"{best[1]} on {best[0]}" if best[0] else None
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -539,43 +393,13 @@ def markdown_tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fmt_range(med: float, lo: float, hi: float) -> str:
-    """'217 ms (208-390)' or '3.42 s (1.81-5.04)': one unit, chosen by the median."""
-    if med < 0.01:
-        return f"{med * 1e3:.1f} ms ({lo * 1e3:.1f}-{hi * 1e3:.1f})"
-    if med < 1:
-        return f"{med * 1e3:.0f} ms ({lo * 1e3:.0f}-{hi * 1e3:.0f})"
-    return f"{med:.2f} s ({lo:.2f}-{hi:.2f})"
-
-
-def fmt_s(seconds: float) -> str:
-    if seconds < 0.1:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.3f} s"
-
-
 # ----------------------------------------------------------------------------- main
 
 
-def quiet_logs() -> None:
-    """Orbax logs every save through absl at INFO/WARNING; keep only errors."""
-    warnings.filterwarnings("ignore", module="orbax")
-    try:
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:
-        pass
-    for name in ("absl", "orbax", "jax", "cairn"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def make_plot(json_path: Path, png_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("cairn_bench_plot", HERE / "plot.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.plot(json_path, png_path)
+    import plot  # bench/plot.py, next to this script
+
+    plot.plot(json_path, png_path)
 
 
 def main(argv: list[str] | None = None) -> int:

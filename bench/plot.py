@@ -1,9 +1,12 @@
-"""Draw docs/benchmarks.png from bench/results/latest.json (written by bench_save_restore.py).
+"""The benchmark plots: docs/benchmarks.png and docs/benchmarks_train_state.png.
 
-    .venv/bin/python bench/plot.py [results.json] [out.png]
+    .venv/bin/python bench/plot.py [results.json] [out.png]                 # bench_save_restore
+    .venv/bin/python bench/plot.py --train-state [results.json] [out.png]   # bench_train_state
 
-One panel per tree size; in each, three groups of bars (save: caller blocked, save: start to
-committed, restore), one bar per system, median height with min-max whiskers, log-scale seconds.
+`plot` (bench/results/latest.json): one panel per tree size; in each, three groups of bars (save:
+caller blocked, save: start to committed, restore), one bar per system, median height with
+min-max whiskers, log-scale seconds. `plot_train_state` (bench/results/train_state.json): one row
+per size: those times, the memory beyond the live state, and the training time lost per save.
 """
 
 from __future__ import annotations
@@ -61,6 +64,56 @@ GROUPS = [
 ]
 
 
+def fmt_seconds(value: float) -> str:
+    if value < 0.01:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def draw_bar(
+    ax: Any,
+    x: float,
+    med: float,
+    lo: float,
+    hi: float,
+    width: float,
+    colour: str,
+    hatch: str,
+    label: str | None,
+    *,
+    seconds: bool,
+    log: bool = True,
+) -> None:
+    """One bar at the median, a min-max whisker, and the median written above it."""
+    ax.bar(
+        x,
+        med,
+        width * 0.92,
+        color=colour,
+        hatch=hatch,
+        edgecolor="#333333",
+        linewidth=0.6,
+        label=label,
+        yerr=[[med - lo], [hi - med]],
+        capsize=3,
+        error_kw={"elinewidth": 1, "ecolor": "black"},
+    )
+    text = fmt_seconds(med) if seconds else f"{med:.2f}"
+    if log:
+        ax.text(x, hi * 1.12, text, ha="center", va="bottom", fontsize=7.5, rotation=90)
+    else:
+        ax.annotate(
+            text,
+            (x, hi),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7.5,
+            rotation=90,
+        )
+
+
 def plot(json_path: Path = DEFAULT_JSON, png_path: Path = DEFAULT_PNG) -> None:
     import matplotlib
 
@@ -91,27 +144,19 @@ def plot(json_path: Path = DEFAULT_JSON, png_path: Path = DEFAULT_PNG) -> None:
                 label, colour, hatch, _ = SERIES[s]
                 st = stats[key]
                 x = g + (j - (len(present) - 1) / 2) * width
-                med = st["median_s"]
-                ax.bar(
+                draw_bar(
+                    ax,
                     x,
-                    med,
-                    width * 0.92,
-                    color=colour,
-                    hatch=hatch,
-                    edgecolor="#333333",
-                    linewidth=0.6,
-                    label=None if s in labelled else label,
-                    yerr=[[med - st["min_s"]], [st["max_s"] - med]],
-                    capsize=3,
-                    error_kw={"elinewidth": 1, "ecolor": "black"},
+                    st["median_s"],
+                    st["min_s"],
+                    st["max_s"],
+                    width,
+                    colour,
+                    hatch,
+                    None if s in labelled else label,
+                    seconds=True,
                 )
                 labelled.add(s)
-                text = f"{med * 1e3:.0f} ms" if med < 1 else f"{med:.2f} s"
-                if med < 0.01:
-                    text = f"{med * 1e3:.1f} ms"
-                ax.text(
-                    x, st["max_s"] * 1.12, text, ha="center", va="bottom", fontsize=7.5, rotation=90
-                )
                 lows.append(st["min_s"])
                 highs.append(st["max_s"])
         tree = entry["tree"]
@@ -155,6 +200,174 @@ def plot(json_path: Path = DEFAULT_JSON, png_path: Path = DEFAULT_PNG) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- train state
+
+TS_JSON = HERE / "results" / "train_state.json"
+TS_PNG = HERE.parent / "docs" / "benchmarks_train_state.png"
+TS_SERIES = [
+    (
+        "plain memcpy / write+fsync / read of the same bytes",
+        "#9e9e9e",
+        "//",
+        {"blocked": "limit.memcpy", "committed": "limit.write_fsync", "restore": "limit.read"},
+    ),
+    (
+        "cairn (TrainStateHandler)",
+        "#1f77b4",
+        "",
+        {"blocked": "cairn.blocked", "committed": "cairn.committed", "restore": "cairn.restore"},
+    ),
+    (
+        "orbax-checkpoint (async, StandardSave)",
+        "#ff7f0e",
+        "",
+        {"blocked": "orbax.blocked", "committed": "orbax.committed", "restore": "orbax.restore"},
+    ),
+]
+TS_SYSTEMS = [("cairn", "#1f77b4"), ("orbax", "#ff7f0e")]
+
+
+def plot_train_state(json_path: Path = TS_JSON, png_path: Path = TS_PNG) -> None:
+    """Per size: times (log), memory beyond the live state, training time lost per save."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result: dict[str, Any] = json.loads(Path(json_path).read_text())
+    sizes = list(result["sizes"])
+    fig, axes = plt.subplots(
+        len(sizes),
+        3,
+        figsize=(15, 4.1 * len(sizes) + 1.3),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [2.2, 1.3, 1]},
+    )
+    for row, size in zip(axes, sizes, strict=True):
+        entry = result["sizes"][size]
+        stats = entry["stats"]
+        tree = entry["tree"]
+        name = f"{tree['bytes'] / 2**20:.0f} MiB, {tree['leaves']} leaves"
+        # (a) times
+        ax = row[0]
+        width = 0.8 / 3
+        highs, lows = [], []
+        for g, (group, _) in enumerate(GROUPS):
+            present = [spec for spec in TS_SERIES if spec[3].get(group) in stats]
+            for j, (label, colour, hatch, keys) in enumerate(present):
+                st = stats[keys[group]]
+                x = g + (j - (len(present) - 1) / 2) * width
+                draw_bar(
+                    ax,
+                    x,
+                    st["median_s"],
+                    st["min_s"],
+                    st["max_s"],
+                    width,
+                    colour,
+                    hatch,
+                    label if g == 0 else None,
+                    seconds=True,
+                )
+                highs.append(st["max_s"])
+                lows.append(st["min_s"])
+        ax.set_yscale("log")
+        ax.set_ylim(min(lows) / 2, max(highs) * 4)
+        ax.set_xticks(range(len(GROUPS)), [g for _, g in GROUPS], fontsize=9)
+        if size == sizes[0]:
+            handles, labels = ax.get_legend_handles_labels()
+        ax.set_ylabel("seconds (log)")
+        ax.set_title(f"{name}: save and restore", fontsize=10.5)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.set_axisbelow(True)
+        # (b) memory beyond the live state
+        ax = row[1]
+        width = 0.35
+        groups = [
+            ("mem_save", "during save\n(start → committed)"),
+            ("mem_restore", "during restore"),
+        ]
+        top = 0.3
+        for g, (key, _) in enumerate(groups):
+            for j, (system, colour) in enumerate(TS_SYSTEMS):
+                st = stats[f"{system}.{key}"]
+                x = g + (j - 0.5) * width
+                draw_bar(
+                    ax,
+                    x,
+                    st["median"],
+                    st["min"],
+                    st["max"],
+                    width,
+                    colour,
+                    "",
+                    system if g == 0 else None,
+                    seconds=False,
+                    log=False,
+                )
+                top = max(top, st["max"])
+        ax.axhline(
+            0.25,
+            color="#2ca02c",
+            linestyle="--",
+            linewidth=1,
+            label="target \u2264 0.25\u00d7 state",
+        )
+        ax.set_ylim(min(0.0, ax.get_ylim()[0]), top * 1.3)
+        ax.set_xticks(range(len(groups)), [g for _, g in groups], fontsize=9)
+        ax.set_ylabel("peak RSS beyond live state (\u00d7 state)")
+        ax.set_title("memory", fontsize=10.5)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.legend(fontsize=8, loc="upper left", frameon=False)
+        # (c) training time lost per background save
+        ax = row[2]
+        inter = entry["interference"]["systems"]
+        top = 0.0
+        for j, (system, colour) in enumerate(TS_SYSTEMS):
+            st = inter[system]["lost_s"]
+            draw_bar(
+                ax,
+                j,
+                st["median"],
+                st["min"],
+                st["max"],
+                0.6,
+                colour,
+                "",
+                None,
+                seconds=True,
+                log=False,
+            )
+            ratio = inter[system]["steps_per_s_ratio"]["median"]
+            ax.text(j, -0.02, f"steps/s \u00d7{ratio:.2f}", ha="center", va="top", fontsize=8)
+            top = max(top, st["max"])
+        ax.set_ylim(-0.12 * max(top, 0.1), max(top, 0.1) * 1.45)
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_xticks(range(len(TS_SYSTEMS)), [s for s, _ in TS_SYSTEMS], fontsize=9)
+        ax.set_ylabel("seconds of training lost per save")
+        ax.set_title("jitted train step during a save", fontsize=10.5)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    machine = result.get("machine", {})
+    cfg = result["config"]
+    fig.suptitle(
+        f"cairn vs orbax-checkpoint {machine.get('orbax-checkpoint', '?')} on a T5X-like jax state "
+        f"({machine.get('cpus', '?')} CPUs, {machine.get('scratch_fs', 'local disk')}; "
+        f"{result.get('date_utc', '')} UTC)\nbar = median of n={cfg['repeats']} rounds "
+        f"(training: {cfg['interference_reps']} saves), whisker = min-max",
+        fontsize=11,
+    )
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, 0.55 / height, 1, 1 - 0.55 / height))
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    args = [Path(a) for a in sys.argv[1:3]]
-    plot(*args)
+    if sys.argv[1:2] == ["--train-state"]:
+        plot_train_state(*[Path(a) for a in sys.argv[2:4]])
+    else:
+        plot(*[Path(a) for a in sys.argv[1:3]])
