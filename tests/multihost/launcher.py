@@ -1,0 +1,40 @@
+"""Launch N real processes of a jax.distributed run on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("mh_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    scenario: str, directory: Path, count: int = 2, timeout: float = 180
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `count` workers of `scenario` to completion; their results, in process order."""
+    port = str(free_port())
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(i), str(count), port, str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(count)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
