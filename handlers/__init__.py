@@ -7,7 +7,14 @@ the type registry, the built-in handlers and the error tree. Never imports cairn
 import numpy as _np
 
 from cairn.handlers import errors
-from cairn.handlers._files import ChecksummedFile, FileRecord, StoredItem, write_file
+from cairn.handlers._files import (
+    ChecksummedFile,
+    FileRecord,
+    StoredItem,
+    write_file,
+    writing_as,
+    writing_process,
+)
 from cairn.handlers._json import JsonHandler
 from cairn.handlers._memory import InMemoryHandler
 from cairn.handlers._numpy_tree import NumpyTreeHandler
@@ -33,6 +40,8 @@ __all__ = [
     "register",
     "registered_types",
     "write_file",
+    "writing_as",
+    "writing_process",
 ]
 
 # Built-in defaults. JsonHandler is known by id only: it is never picked from an item's type, only

@@ -8,12 +8,14 @@ always computed from the bytes as they are written, never by reading the file ag
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,6 +32,8 @@ __all__ = [
     "fsync_dir",
     "lower_thread_priority",
     "write_file",
+    "writing_as",
+    "writing_process",
 ]
 
 
@@ -112,6 +116,30 @@ def write_file(root: Path, relpath: str, data: bytes) -> FileRecord:
 
 
 BACKGROUND_NICE = 10
+
+_WRITING_PROCESS: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar(
+    "cairn_writing_process", default=(0, 1)
+)
+
+
+def writing_process() -> tuple[int, int]:
+    """(index, count) of the process whose write phase is running; (0, 1) outside multi-process.
+
+    In a multi-process save every process runs each item's write phase into the same directory.
+    A handler writes its per-process files (its shards) everywhere, and files that every process
+    would write alike (structure, metadata) only where the index is 0, the primary.
+    """
+    return _WRITING_PROCESS.get()
+
+
+@contextlib.contextmanager
+def writing_as(index: int, count: int) -> Iterator[None]:
+    """Run write phases as process `index` of `count` (set by the manager)."""
+    token = _WRITING_PROCESS.set((index, count))
+    try:
+        yield
+    finally:
+        _WRITING_PROCESS.reset(token)
 
 
 def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:

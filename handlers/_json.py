@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import FileRecord, StoredItem, write_file
+from cairn.handlers._files import FileRecord, StoredItem, write_file, writing_process
 
 __all__ = ["JsonHandler"]
 
@@ -19,6 +19,8 @@ class _JsonSnapshot:
         self._data = text.encode()
 
     def write(self, directory: Path) -> Sequence[FileRecord]:
+        if writing_process()[0] != 0:
+            return []  # the same on every process: the primary writes it
         return [write_file(directory, _FILE, self._data)]
 
 

@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers._files import ChecksummedFile, FileRecord, StoredItem, write_file
+from cairn.handlers._files import (
+    ChecksummedFile,
+    FileRecord,
+    StoredItem,
+    write_file,
+    writing_process,
+)
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -44,6 +50,8 @@ class _TreeSnapshot:
         self._arrays = arrays
 
     def write(self, directory: Path) -> Sequence[FileRecord]:
+        if writing_process()[0] != 0:
+            return []  # host values, the same on every process: the primary writes them
         records = []
         for i, arr in enumerate(self._arrays):
             with ChecksummedFile(directory, f"arrays/{i}.npy") as f:

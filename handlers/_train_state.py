@@ -27,7 +27,13 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from cairn.handlers._files import FileRecord, StoredItem, lower_thread_priority, write_file
+from cairn.handlers._files import (
+    FileRecord,
+    StoredItem,
+    lower_thread_priority,
+    write_file,
+    writing_process,
+)
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -154,12 +160,16 @@ class _StateSnapshot:
 
     def write(self, directory: Path) -> Sequence[FileRecord]:
         h = self._handler
+        primary = writing_process()[0] == 0  # shared files once; every process its own shards
         records: list[FileRecord] = []
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
         for leaf in self._leaves:
             base = f"arrays/{leaf.index}"
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
-            records.append(write_file(directory, f"{base}/zarr.json", json.dumps(meta).encode()))
+            if primary:
+                records.append(
+                    write_file(directory, f"{base}/zarr.json", json.dumps(meta).encode())
+                )
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     jobs.append((f"{base}/{key}", part, leaf.dtype))
@@ -172,7 +182,8 @@ class _StateSnapshot:
                         "checkpoint was being written; the step is not committed. Keep it alive "
                         "until the save commits (wait_until_finished) or call save() again."
                     )
-        records.append(write_file(directory, TREE, json.dumps(self._tree).encode()))
+        if primary:
+            records.append(write_file(directory, TREE, json.dumps(self._tree).encode()))
         return records
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot, write_file
-from cairn.handlers._files import check_relative, fsync_dir
+from cairn.handlers._files import check_relative, fsync_dir, writing_as
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._format import (
     MANIFEST,
@@ -30,6 +31,7 @@ from cairn.manager._format import (
     dump_checked,
     trash_name,
 )
+from cairn.manager._multihost import SINGLE, Processes
 
 log = logging.getLogger("cairn")
 
@@ -39,6 +41,7 @@ class SaveJob:
     """One save as the caller thread hands it to the commit thread."""
 
     step: int
+    tmp_name: str | None  # shared by all processes of a multi-process save, else None
     snapshots: Mapping[str, tuple[Handler, Snapshot]]
     metrics: Mapping[str, float]
     metadata: Mapping[str, Any]
@@ -46,27 +49,76 @@ class SaveJob:
     blocked_s: float
 
 
-def commit_step(root: Path, names: StepNames, job: SaveJob) -> Manifest:
+def commit_step(
+    root: Path,
+    names: StepNames,
+    job: SaveJob,
+    procs: Processes = SINGLE,
+    *,
+    timeout_s: float = 300.0,
+) -> Manifest | None:
     """Write one step and commit it; on any failure nothing new is visible and the tmp dir is gone.
 
-    The order is the whole point: items first, the manifest last, everything fsynced, then one
+    The order is the whole point: items first, the manifest last, everything durable, then one
     rename. A reader (or a restart after SIGKILL) sees either no step or a complete one, because
     the final name appears only through the atomic rename of a directory whose contents and
     manifest are already durable. POSIX rename would replace an *empty* directory of the final
     name, so an existing one is refused first (the directory lock keeps other writers out).
+
+    With several processes (`procs`, all calling this with the same `tmp_name`): the primary
+    creates the directories; every process writes its shards and its list of files, makes them
+    durable and reports ok or its error; a barrier; then the primary alone checks the reports,
+    merges the lists into the manifest and renames. A process that never arrives makes the others
+    raise BarrierTimeoutError and nothing is committed. Returns the manifest on the primary, None
+    on the others (they learn the outcome from `wait_for_outcome`).
     """
     t0 = time.monotonic()
-    tmp = root / names.temporary(job.step)
+    tmp = root / (job.tmp_name or names.temporary(job.step))
     final = root / names.format(job.step)
-    tmp.mkdir()
+    key = f"cairn/{tmp.name}"
+    if procs.primary:
+        tmp.mkdir()
+        for name in job.snapshots:
+            (tmp / name).mkdir()
+    procs.barrier(f"{key}/created", timeout_s)
     try:
-        items: dict[str, ItemEntry] = {}
-        for name, (handler, snapshot) in job.snapshots.items():
-            item_dir = tmp / name
-            item_dir.mkdir()
-            records = tuple(snapshot.write(item_dir))
-            _check_records(item_dir, handler, records)
-            items[name] = ItemEntry(handler.id, handler.version, records)
+        records: dict[str, tuple[FileRecord, ...]] = {}
+        error = None
+        try:
+            with writing_as(procs.index, procs.count):
+                for name, (handler, snapshot) in job.snapshots.items():
+                    records[name] = tuple(snapshot.write(tmp / name))
+                    _check_records(tmp / name, handler, records[name])
+            if procs.count > 1:
+                listing = {n: [f.to_json() for f in r] for n, r in records.items()}
+                write_file(tmp, f".process-{procs.index}.json", json.dumps(listing).encode())
+                fsync_tree(tmp)  # each process makes its own writes durable, on its own host
+        except Exception as e:
+            if procs.count == 1:
+                raise
+            error = e
+        if procs.count > 1:
+            outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+            procs.report(f"{key}/written", outcome)
+            procs.barrier(f"{key}/written", timeout_s)
+            if error is not None:
+                raise error
+            if not procs.primary:
+                return None
+            for index, report in enumerate(procs.reports(f"{key}/written", timeout_s)):
+                if report != "ok":
+                    raise RuntimeError(f"process {index} failed to write step {job.step}: {report}")
+        for index in range(1, procs.count):  # merge the other processes' lists of files
+            listing_path = tmp / f".process-{index}.json"
+            for name, entries in json.loads(listing_path.read_bytes()).items():
+                records[name] += tuple(FileRecord.from_json(f) for f in entries)
+            listing_path.unlink()
+        if procs.count > 1:
+            (tmp / ".process-0.json").unlink()
+        items = {
+            name: ItemEntry(handler.id, handler.version, records[name])
+            for name, (handler, _) in job.snapshots.items()
+        }
         size = sum(entry.bytes for entry in items.values())
         write_s = time.monotonic() - t0
         manifest = Manifest(
@@ -84,7 +136,8 @@ def commit_step(root: Path, names: StepNames, job: SaveJob) -> Manifest:
             raise StepAlreadyExistsError(f"step {job.step}: {final} appeared on disk meanwhile")
         os.rename(tmp, final)  # the commit point
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if procs.primary:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(root)  # make the new name itself durable
     return manifest

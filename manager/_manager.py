@@ -6,10 +6,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import logging
 import os
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -40,7 +42,10 @@ from cairn.manager._format import (
     check_metrics,
     load_checked,
 )
+from cairn.manager._multihost import SINGLE, Processes
 from cairn.manager._policies import (
+    AnyOf,
+    AtSteps,
     EveryNSteps,
     KeepAll,
     KeepPolicy,
@@ -146,6 +151,7 @@ class CheckpointManager:
         async_save: bool = True,
         max_pending: int = 1,
         read_only: bool = False,
+        barrier_timeout: float = 300.0,
     ) -> None:
         self._root = _check_directory(directory)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
@@ -166,8 +172,20 @@ class CheckpointManager:
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        if (
+            isinstance(barrier_timeout, bool)
+            or not isinstance(barrier_timeout, (int, float))
+            or not barrier_timeout > 0
+        ):
+            raise ValueError(
+                f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
+            )
         self._async = async_save
         self._read_only = read_only
+        self._timeout = float(barrier_timeout)
+        # Writers of a jax.distributed run coordinate; readers need not.
+        self._procs = SINGLE if read_only else Processes.detect()
+        self._calls = 0  # collective calls so far: the same sequence on every process
 
         self._lock = threading.Lock()
         self._steps: dict[int, _Step] = {}
@@ -180,12 +198,16 @@ class CheckpointManager:
         self._dir_lock: _DirectoryLock | None = None
         self._closed = False
 
-        if not read_only:
+        primary = self._procs.primary
+        if not read_only and primary:
             self._root.mkdir(parents=True, exist_ok=True)
             self._dir_lock = _DirectoryLock(self._root)
         try:
-            if not read_only:
+            if not read_only and primary:
                 _commit.clean_leftovers(self._root, self._names)
+            run = uuid.uuid4().hex if primary else None
+            self._run = self._procs.broadcast(self._collective("run"), run, self._timeout)
+            self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
             self._steps = self._scan()
         except BaseException:
             if self._dir_lock is not None:
@@ -221,6 +243,11 @@ class CheckpointManager:
         mode = "read_only" if self._read_only else ("async" if self._async else "sync")
         return f"CheckpointManager({str(self._root)!r}, {mode}, steps={self.all_steps()})"
 
+    def _collective(self, what: str) -> str:
+        """A name for the next collective call, the same on every process (they call alike)."""
+        self._calls += 1
+        return f"cairn/{self._root}/{what}/{self._calls}"
+
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: Any) -> bool:
@@ -235,7 +262,13 @@ class CheckpointManager:
             last_save_time=self._last_save_time,
             now=time.time(),
         )
-        return bool(self._save_policy.should_save(step, context))
+        if self._procs.count == 1 or not _uses_time(self._save_policy):
+            return bool(self._save_policy.should_save(step, context))
+        # Clocks differ between hosts: the primary decides, everyone follows.
+        mine = (
+            str(bool(self._save_policy.should_save(step, context))) if self._procs.primary else None
+        )
+        return self._procs.broadcast(self._collective("should_save"), mine, self._timeout) == "True"
 
     def save(
         self,
@@ -292,7 +325,12 @@ class CheckpointManager:
             self._slots.release()
             raise
         self._last_save_time = started_at
+        tmp_name = None
+        if self._procs.count > 1:  # every process writes into the same temporary directory
+            digest = hashlib.md5(self._collective("save").encode()).hexdigest()
+            tmp_name = f"{self._names.format(step)}.tmp-{digest}"
         job = _commit.SaveJob(
+            tmp_name=tmp_name,
             step=step,
             snapshots=snapshots,
             metrics=metrics,
@@ -315,12 +353,33 @@ class CheckpointManager:
         return True
 
     def _run_save(self, job: _commit.SaveJob, *, reraise: bool) -> None:
-        """Commit thread: commit one step, then apply retention. Errors are kept for the caller."""
+        """Commit thread: commit one step, then apply retention. Errors are kept for the caller.
+
+        With several processes the primary commits and applies retention, then tells the others
+        the outcome; they read the directory again.
+        """
         t0 = time.monotonic()
+        procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
         try:
             try:
-                manifest = _commit.commit_step(self._root, self._names, job)
+                manifest = _commit.commit_step(
+                    self._root, self._names, job, procs, timeout_s=self._timeout
+                )
+                if manifest is None:  # not the primary: wait for its word
+                    outcome = procs.broadcast(outcome_key, None, self._timeout)
+                    if outcome != "ok":
+                        raise RuntimeError(
+                            f"the primary process did not commit step {job.step}: {outcome}"
+                        )
+                    steps = self._scan()
+                    with self._lock:
+                        self._steps = steps
+                        self._inflight.discard(job.step)
+                    return
             except BaseException as e:
+                if procs.count > 1 and procs.primary:
+                    with contextlib.suppress(Exception):
+                        procs.broadcast(outcome_key, f"{type(e).__name__}: {e}", self._timeout)
                 with self._lock:
                     self._inflight.discard(job.step)
                 if not reraise:
@@ -351,6 +410,9 @@ class CheckpointManager:
                 if reraise:
                     raise
                 self._keep_error(f"retention after step {job.step}", e)
+            finally:
+                if procs.count > 1:  # committed; retention done or failed on its own
+                    procs.broadcast(outcome_key, "ok", self._timeout)
         finally:
             self._slots.release()
 
@@ -390,6 +452,25 @@ class CheckpointManager:
                     self._commit_telemetry.pop(step, None)
         if trash is not None and self._reclaimer is not None:
             self._reclaimer.submit(_commit.remove_trash, trash)
+
+    def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` (which changes the directory only on the primary), then, with several processes,
+        a barrier after which the others read the directory again. Call on the caller thread."""
+        if self._procs.count == 1:
+            return fn
+        barrier = self._collective(what)
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self._procs.barrier(barrier, self._timeout)
+                if not self._procs.primary:
+                    steps = self._scan()
+                    with self._lock:
+                        self._steps = steps
+
+        return run
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""
@@ -645,12 +726,14 @@ class CheckpointManager:
             if rec.manifest is None:
                 self._manifest(step)  # raises the step's own error
             merged = {**rec.late_metrics, **new}
-            _commit.write_metrics(self._root / self._names.format(step), merged)
+            if self._procs.primary:
+                _commit.write_metrics(self._root / self._names.format(step), merged)
             with self._lock:
                 rec.late_metrics = merged
-            self._apply_retention()
+            if self._procs.primary:
+                self._apply_retention()
 
-        self._on_commit_thread(update)
+        self._on_commit_thread(self._together("record_metrics", update))
 
     def best_step(self) -> int | None:
         """The intact step with the best value of the `best=` metric (or the KeepBest one)."""
@@ -691,9 +774,10 @@ class CheckpointManager:
                 known = step in self._steps
             if not known:
                 raise StepNotFoundError(self._missing(step))
-            self._delete_now(step)
+            if self._procs.primary:
+                self._delete_now(step)
 
-        self._on_commit_thread(remove)
+        self._on_commit_thread(self._together("delete", remove))
 
     def reload(self) -> None:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
@@ -777,6 +861,13 @@ def _naming_item(name: str) -> Iterator[None]:
         if type(e) in (TypeError, ValueError, MismatchError):
             raise type(e)(f"item {name!r}: {e}") from e
         raise
+
+
+def _uses_time(policy: Any) -> bool:
+    """Whether a save policy looks at the clock (so processes could disagree)."""
+    if isinstance(policy, AnyOf):
+        return any(_uses_time(p) for p in policy.policies)
+    return not isinstance(policy, (EveryNSteps, AtSteps))
 
 
 def _check_directory(directory: Any) -> Path:

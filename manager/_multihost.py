@@ -17,7 +17,7 @@ from typing import Any
 
 from cairn.handlers.errors import BarrierTimeoutError
 
-__all__ = ["Processes"]
+__all__ = ["SINGLE", "Processes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Processes:
         if self.primary:
             if value is None:
                 raise ValueError(f"broadcast {name!r}: the primary must give a value")
-            self.client.key_value_set(name, value)
+            self._set(name, value)
             return value
         try:
             return str(self.client.blocking_key_value_get(name, _millis(timeout_s)))
@@ -74,6 +74,39 @@ class Processes:
                 f"process {self.index} of {self.count}: the primary did not publish {name!r} "
                 f"within {timeout_s:g} s ({_first_line(e)})"
             ) from e
+
+    def report(self, name: str, value: str) -> None:
+        """Publish this process's `value` under `name` (read back with `reports`)."""
+        if self.count > 1:
+            self._set(f"{name}/{self.index}", value)
+
+    def reports(self, name: str, timeout_s: float) -> list[str]:
+        """Every process's `report` under `name`, in process order."""
+        if self.count == 1:
+            raise ValueError(f"reports {name!r}: a single process has nobody to hear from")
+        out = []
+        for index in range(self.count):
+            try:
+                out.append(
+                    str(self.client.blocking_key_value_get(f"{name}/{index}", _millis(timeout_s)))
+                )
+            except Exception as e:
+                raise BarrierTimeoutError(
+                    f"process {index} did not report {name!r} within {timeout_s:g} s ({_first_line(e)})"
+                ) from e
+        return out
+
+    def _set(self, name: str, value: str) -> None:
+        try:
+            self.client.key_value_set(name, value)
+        except Exception as e:  # the coordination service is gone (its process died)
+            raise BarrierTimeoutError(
+                f"process {self.index} of {self.count}: could not publish {name!r} "
+                f"({_first_line(e)})"
+            ) from e
+
+
+SINGLE = Processes()
 
 
 def _millis(timeout_s: float) -> int:

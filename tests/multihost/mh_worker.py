@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
@@ -18,7 +19,7 @@ import jax
 
 
 def main() -> None:
-    scenario, pid, count, port, _directory = (
+    scenario, pid, count, port, directory = (
         sys.argv[1],
         int(sys.argv[2]),
         int(sys.argv[3]),
@@ -52,8 +53,111 @@ def main() -> None:
             print(f"timeout after {time.monotonic() - t0:.1f} s: {e}", flush=True)
         else:
             raise AssertionError("the barrier passed with a dead peer")
+    elif scenario in ("save", "kill-0", "kill-1", "resume", "clock"):
+        run_manager(scenario, procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
-    os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
+    if scenario == "peer-dies" or scenario.startswith("kill"):
+        os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
+    jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
+
+
+def run_manager(scenario: str, procs: Any, directory: str) -> None:
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cairn.handlers import JsonHandler, TrainStateHandler
+    from cairn.manager import CheckpointManager, CommitError, EveryNSeconds, KeepLatest
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+
+    def state(step: int) -> Any:
+        sharding = NamedSharding(mesh, P("data", "model"))
+        x = jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx] * step)
+        return {"x": x, "step": step}
+
+    def check(restored: Any, step: int, sharding: Any) -> None:
+        x = restored["x"]
+        assert x.sharding == sharding, (x.sharding, sharding)
+        for shard in x.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * step)
+        assert restored["step"] == step
+
+    class Dying(TrainStateHandler):
+        """Kills this process in the middle of its write phase (victim only)."""
+
+        def snapshot(self, obj: Any) -> Any:
+            inner = super().snapshot(obj)
+            victim = int(scenario[-1]) if scenario.startswith("kill") else -1
+
+            class Snap:
+                def write(self, directory: Any) -> Any:
+                    records = inner.write(directory)
+                    if procs.index == victim and obj["step"] == 3:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return records
+
+            return Snap()
+
+    handlers = {"config": JsonHandler(), "state": Dying()}
+    if scenario == "clock":
+        real = time.time
+        skew = 1000.0 if procs.index == 1 else 0.0
+        time.time = lambda: real() + skew  # type: ignore[assignment]
+        with CheckpointManager(directory, save=EveryNSeconds(500)) as mgr:
+            decisions = [mgr.should_save(step) for step in range(3)]
+            print("decisions", decisions, flush=True)
+        return
+    with CheckpointManager(
+        directory, keep=KeepLatest(2), handlers=handlers, barrier_timeout=5
+    ) as mgr:
+        if scenario == "resume":
+            latest = mgr.latest_step()
+            print("resumed", latest, mgr.all_steps(), flush=True)
+            target = {
+                "x": jax.ShapeDtypeStruct(
+                    full.shape, np.float32, sharding=NamedSharding(mesh, P("data", "model"))
+                ),
+                "step": 0,
+            }
+            check(mgr.restore(items={"state": target})["state"], latest, target["x"].sharding)
+            mgr.save(latest + 1, {"state": state(latest + 1), "config": {"lr": 0.1}})
+            mgr.wait_until_finished()
+            print("steps after", mgr.all_steps(), flush=True)
+            return
+        for step in range(3):
+            mgr.save(
+                step,
+                {"state": state(step), "config": {"lr": 0.1}},
+                metrics={"loss": 1.0 / (step + 1)},
+            )
+        mgr.wait_until_finished()
+        print("steps", mgr.all_steps(), flush=True)
+        if scenario.startswith("kill"):
+            t0 = time.monotonic()
+            mgr.save(3, {"state": state(3), "config": {"lr": 0.1}})
+            try:
+                mgr.wait_until_finished()
+            except CommitError as e:
+                print(
+                    f"commit failed after {time.monotonic() - t0:.1f} s: {type(e.__cause__).__name__}",
+                    flush=True,
+                )
+            print("steps", mgr.all_steps(), flush=True)
+            print(f"ok {scenario} {procs.index}", flush=True)
+            os._exit(0)
+        for spec in (P("data", "model"), P("model", None), P(None, "data"), P()):
+            sharding = NamedSharding(mesh, spec)
+            target = {
+                "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
+                "step": 0,
+            }
+            check(mgr.restore(2, {"state": target})["state"], 2, sharding)
+        mgr.record_metrics(2, {"eval": 0.5})
+        assert mgr.metrics(2) == {"loss": 1.0 / 3, "eval": 0.5}, mgr.metrics(2)
+        mgr.delete(1)
+        assert mgr.all_steps() == [2], mgr.all_steps()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
 from launcher import launch
 
 from cairn.manager._multihost import Processes
@@ -35,3 +36,58 @@ def test_a_dead_peer_gives_barrier_timeout_not_a_hang(tmp_path: Path) -> None:
     waited = float(line.split()[2])
     assert 2.5 <= waited <= 15, line
     assert "barrier 'cairn-test/after-death' within 3 s" in line
+
+
+def test_two_processes_save_retain_and_restore_into_other_shardings(tmp_path: Path) -> None:
+    """Each process writes its shards; the primary commits; retention; 4 restore shardings."""
+    results = launch("save", tmp_path)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "steps [1, 2]" in r.stdout and f"ok save {i}" in r.stdout
+    step_dir = tmp_path / "checkpoint_2"
+    chunks = sorted(p.name for p in (step_dir / "state" / "arrays" / "0").iterdir())
+    assert chunks == ["0.0", "0.1", "1.0", "1.1", "zarr.json"]  # shards of both processes
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert not list(step_dir.rglob(".process-*"))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == [
+        "checkpoint_2"
+    ]  # after delete(1)
+
+
+def test_clocks_that_disagree_still_agree_on_saving(tmp_path: Path) -> None:
+    """A time-based policy: the primary decides and broadcasts, whatever the other's clock says."""
+    results = launch("clock", tmp_path)
+    lines = []
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines.append(next(line for line in r.stdout.splitlines() if line.startswith("decisions")))
+    assert lines[0] == lines[1] == "decisions [True, True, True]"
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkill_of_either_process_mid_save_commits_nothing(tmp_path: Path, victim: int) -> None:
+    """No hang and no partial step; a fresh pair resumes from the last committed step.
+
+    Process 1 dying: process 0 raises BarrierTimeoutError within the 5 s timeout. Process 0
+    dying takes JAX's coordination service with it: process 1 either raises BarrierTimeoutError
+    at once (its next call fails) or is ended by JAX itself, which cannot go on without the
+    coordinator. Either way it ends promptly, never hangs.
+    """
+    results = launch(f"kill-{victim}", tmp_path, timeout=120)
+    survivor = results[1 - victim]
+    assert results[victim].returncode == -signal.SIGKILL
+    if victim == 1 or survivor.returncode == 0:  # it noticed and raised
+        assert survivor.returncode == 0, survivor.stderr[-3000:]
+        line = next(
+            line for line in survivor.stdout.splitlines() if line.startswith("commit failed")
+        )
+        assert float(line.split()[3]) <= 30 and "BarrierTimeoutError" in line, line
+        assert "steps [1, 2]" in survivor.stdout
+    else:  # JAX ended it first, having lost its coordinator
+        assert "JAX distributed service detected fatal errors" in survivor.stderr
+    assert not (tmp_path / "checkpoint_3").exists()
+    again = launch("resume", tmp_path)
+    for r in again:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed 2 [1, 2]" in r.stdout and "steps after [2, 3]" in r.stdout
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
