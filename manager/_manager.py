@@ -455,7 +455,8 @@ class CheckpointManager:
 
     def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn` (which changes the directory only on the primary), then, with several processes,
-        a barrier after which the others read the directory again. Call on the caller thread."""
+        a barrier after which the others read the directory again, and a second one so the
+        primary's next change cannot race with that reading. Call on the caller thread."""
         if self._procs.count == 1:
             return fn
         barrier = self._collective(what)
@@ -464,11 +465,13 @@ class CheckpointManager:
             try:
                 fn()
             finally:
-                self._procs.barrier(barrier, self._timeout)
+                self._procs.barrier(f"{barrier}/changed", self._timeout)
                 if not self._procs.primary:
                     steps = self._scan()
                     with self._lock:
                         self._steps = steps
+                # and the primary changes nothing more until everyone has read the directory
+                self._procs.barrier(f"{barrier}/read", self._timeout)
 
         return run
 

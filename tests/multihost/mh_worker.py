@@ -154,6 +154,14 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
                 "step": 0,
             }
             check(mgr.restore(2, {"state": target})["state"], 2, sharding)
+        other_mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("a", "b"))  # another mesh shape
+        for spec in (P("a", None), P(None, "a"), P("a", "b")):
+            sharding = NamedSharding(other_mesh, spec)
+            target = {
+                "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
+                "step": 0,
+            }
+            check(mgr.restore(2, {"state": target})["state"], 2, sharding)
         mgr.record_metrics(2, {"eval": 0.5})
         assert mgr.metrics(2) == {"loss": 1.0 / 3, "eval": 0.5}, mgr.metrics(2)
         mgr.delete(1)
