@@ -32,12 +32,12 @@ from cairn.handlers._tree import (
     KeyPath,
     check_leaf,
     decode,
+    describe_tree,
     dtype_from_name,
     dtype_name,
     encode,
     keystr,
     load_tree,
-    walk_leaves,
 )
 from cairn.handlers.errors import CorruptCheckpointError
 
@@ -105,19 +105,7 @@ class NumpyTreeHandler:
         return decode(load_tree(stored), read_leaf, NONE if target is None else target)
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
-        leaves = []
-        for path, node in walk_leaves(load_tree(stored)):
-            if node["t"] in ("array", "npscalar"):
-                leaves.append(
-                    {"path": keystr(path), "shape": node["shape"], "dtype": node["dtype"]}
-                )
-            else:
-                leaves.append({"path": keystr(path), "value": node.get("v"), "type": node["t"]})
-        return {
-            "kind": "numpy-tree",
-            "leaves": leaves,
-            "bytes": sum(r.size for r in stored.files.values()),
-        }
+        return describe_tree(stored, "numpy-tree")
 
     def __repr__(self) -> str:
         return "NumpyTreeHandler()"

@@ -40,6 +40,7 @@ from cairn.handlers._tree import (
     KeyPath,
     check_leaf,
     decode,
+    describe_tree,
     dtype_from_name,
     dtype_name,
     encode,
@@ -48,7 +49,6 @@ from cairn.handlers._tree import (
     like,
     load_tree,
     unflatten_custom,
-    walk_leaves,
 )
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
@@ -490,24 +490,7 @@ class TrainStateHandler:
         return _materialize(state, opts.target)
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
-        leaves = []
-        for path, node in walk_leaves(load_tree(stored)):
-            if node["t"] in ("array", "npscalar"):
-                leaves.append(
-                    {
-                        "path": keystr(path),
-                        "shape": node["shape"],
-                        "dtype": node["dtype"],
-                        "chunk": node.get("chunk"),
-                    }
-                )
-            else:
-                leaves.append({"path": keystr(path), "value": node.get("v"), "type": node["t"]})
-        return {
-            "kind": "train-state",
-            "leaves": leaves,
-            "bytes": sum(r.size for r in stored.files.values()),
-        }
+        return describe_tree(stored, "train-state")
 
 
 def _storable(dtype: np.dtype, path: KeyPath) -> np.dtype:

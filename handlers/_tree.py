@@ -269,6 +269,18 @@ def check_leaf(
         )
 
 
+def describe_tree(stored: StoredItem, kind: str) -> dict[str, Any]:
+    """What both array handlers' describe() return: every leaf with its key path, and the bytes."""
+    leaves = []
+    for path, node in walk_leaves(load_tree(stored)):
+        if node["t"] in ("array", "npscalar"):
+            fields = {k: node[k] for k in ("shape", "dtype", "chunk") if k in node}
+            leaves.append({"path": keystr(path), **fields})
+        else:
+            leaves.append({"path": keystr(path), "value": node.get("v"), "type": node["t"]})
+    return {"kind": kind, "leaves": leaves, "bytes": sum(r.size for r in stored.files.values())}
+
+
 def walk_leaves(
     node: Mapping[str, Any], path: KeyPath = ()
 ) -> list[tuple[KeyPath, Mapping[str, Any]]]:
