@@ -150,6 +150,7 @@ class _Leaf:
     chunk: tuple[int, ...]
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]  # (global region, host data)
     sources: list[Any]  # jax arrays whose buffers `pieces` view
+    shared: bool  # the same on every process (host data, process-local arrays): primary writes
 
 
 class _StateSnapshot:
@@ -170,6 +171,8 @@ class _StateSnapshot:
                 records.append(
                     write_file(directory, f"{base}/zarr.json", json.dumps(meta).encode())
                 )
+            if leaf.shared and not primary:
+                continue
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     jobs.append((f"{base}/{key}", part, leaf.dtype))
@@ -413,6 +416,7 @@ class TrainStateHandler:
                     pieces.append((_full_index(shard.index, shape), _little_endian(view)))
                 region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
                 sources = [x] if zero_copy else []  # only views need the donation check
+                shared = bool(x.is_fully_addressable)  # not a global array: every process has it
                 kind = "jax"
             else:
                 arr = np.array(x, copy=True)
@@ -420,6 +424,7 @@ class TrainStateHandler:
                 shape, region_shape = arr.shape, arr.shape
                 pieces = [(tuple(slice(0, n) for n in shape), _little_endian(arr))]
                 sources = []
+                shared = True
                 kind = "npscalar" if isinstance(x, np.generic) else "numpy"
             src_dtype = src_dtype.newbyteorder("<") if src_dtype.byteorder == ">" else src_dtype
             dtype = self._stored_dtype(path, src_dtype)
@@ -427,7 +432,7 @@ class TrainStateHandler:
             chunk = _choose_chunk(
                 region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows
             )
-            leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources))
+            leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared))
             node = {
                 "t": "npscalar" if kind == "npscalar" else "array",
                 "kind": kind,

@@ -70,7 +70,7 @@ def commit_step(
     durable and reports ok or its error; a barrier; then the primary alone checks the reports,
     merges the lists into the manifest and renames. A process that never arrives makes the others
     raise BarrierTimeoutError and nothing is committed. Returns the manifest on the primary, None
-    on the others (they learn the outcome from `wait_for_outcome`).
+    on the others (the manager's commit thread then waits for the primary's outcome broadcast).
     """
     t0 = time.monotonic()
     tmp = root / (job.tmp_name or names.temporary(job.step))

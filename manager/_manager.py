@@ -206,7 +206,15 @@ class CheckpointManager:
             if not read_only and primary:
                 _commit.clean_leftovers(self._root, self._names)
             run = uuid.uuid4().hex if primary else None
-            self._run = self._procs.broadcast(self._collective("run"), run, self._timeout)
+            opened = _OPENED[str(self._root)] = _OPENED.get(str(self._root), 0) + 1
+            key = (
+                f"cairn/open/{opened}:{self._root}"  # the same on every process, unique per manager
+            )
+            self._run = (
+                self._procs.broadcast(key, run, self._timeout)
+                if self._procs.count > 1
+                else run or ""
+            )
             self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
             self._steps = self._scan()
         except BaseException:
@@ -246,7 +254,7 @@ class CheckpointManager:
     def _collective(self, what: str) -> str:
         """A name for the next collective call, the same on every process (they call alike)."""
         self._calls += 1
-        return f"cairn/{self._root}/{what}/{self._calls}"
+        return f"cairn/{self._run}/{what}/{self._calls}"
 
     # ------------------------------------------------------------------ saving
 
@@ -375,6 +383,7 @@ class CheckpointManager:
                     with self._lock:
                         self._steps = steps
                         self._inflight.discard(job.step)
+                    procs.barrier(f"{outcome_key}/read", self._timeout)  # see below
                     return
             except BaseException as e:
                 if procs.count > 1 and procs.primary:
@@ -413,6 +422,9 @@ class CheckpointManager:
             finally:
                 if procs.count > 1:  # committed; retention done or failed on its own
                     procs.broadcast(outcome_key, "ok", self._timeout)
+                    # The next change (a delete, another commit's retention) waits until the
+                    # others have read the directory, or they could see a step half gone.
+                    procs.barrier(f"{outcome_key}/read", self._timeout)
         finally:
             self._slots.release()
 
@@ -864,6 +876,11 @@ def _naming_item(name: str) -> Iterator[None]:
         if type(e) in (TypeError, ValueError, MismatchError):
             raise type(e)(f"item {name!r}: {e}") from e
         raise
+
+
+_OPENED: dict[
+    str, int
+] = {}  # writable managers opened per directory in this process (collective keys)
 
 
 def _uses_time(policy: Any) -> bool:

@@ -6,7 +6,7 @@ primary sets and the others read with a deadline. A process that dies or never a
 others raise BarrierTimeoutError within the timeout instead of hanging. Without
 ``jax.distributed`` (or without JAX loaded) there is one process and both are no-ops.
 
-This is the first piece of multi-process saving (issue 5); the manager does not use it yet.
+The manager uses it for multi-process saves (docs/multihost.md).
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
     def state(step: int) -> Any:
         sharding = NamedSharding(mesh, P("data", "model"))
         x = jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx] * step)
-        return {"x": x, "step": step}
+        # Besides the global array: host data and a process-local array, the same everywhere.
+        return {"x": x, "step": step, "host": np.arange(3) * step, "local": jax.numpy.full(2, step)}
 
     def check(restored: Any, step: int, sharding: Any) -> None:
         x = restored["x"]
@@ -83,6 +84,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         for shard in x.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * step)
         assert restored["step"] == step
+        np.testing.assert_array_equal(np.asarray(restored["host"]), np.arange(3) * step)
+        np.testing.assert_array_equal(np.asarray(restored["local"]), np.full(2, step))
 
     class Dying(TrainStateHandler):
         """Kills this process in the middle of its write phase (victim only)."""
@@ -120,6 +123,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
                     full.shape, np.float32, sharding=NamedSharding(mesh, P("data", "model"))
                 ),
                 "step": 0,
+                "host": None,
+                "local": None,
             }
             check(mgr.restore(items={"state": target})["state"], latest, target["x"].sharding)
             mgr.save(latest + 1, {"state": state(latest + 1), "config": {"lr": 0.1}})
@@ -152,6 +157,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             target = {
                 "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
                 "step": 0,
+                "host": None,
+                "local": None,
             }
             check(mgr.restore(2, {"state": target})["state"], 2, sharding)
         other_mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("a", "b"))  # another mesh shape
@@ -160,12 +167,23 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             target = {
                 "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
                 "step": 0,
+                "host": None,
+                "local": None,
             }
             check(mgr.restore(2, {"state": target})["state"], 2, sharding)
         mgr.record_metrics(2, {"eval": 0.5})
         assert mgr.metrics(2) == {"loss": 1.0 / 3, "eval": 0.5}, mgr.metrics(2)
         mgr.delete(1)
         assert mgr.all_steps() == [2], mgr.all_steps()
+        mgr.save(5, {"state": state(5), "config": {"lr": 0.1}})
+        mgr.delete(2)  # right after a save: the others must have re-read the directory first
+        assert mgr.all_steps() == [5], mgr.all_steps()
+    with CheckpointManager(
+        directory, handlers=handlers, barrier_timeout=5
+    ) as again:  # a second one
+        again.save(6, {"state": state(6), "config": {"lr": 0.1}})
+        again.wait_until_finished()
+        assert again.all_steps() == [5, 6], again.all_steps()
 
 
 if __name__ == "__main__":
