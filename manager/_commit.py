@@ -65,7 +65,7 @@ def commit_step(
     manifest are already durable. POSIX rename would replace an *empty* directory of the final
     name, so an existing one is refused first (the directory lock keeps other writers out).
 
-    With several processes (`procs`, all calling this with the same `tmp_name`): the primary
+    With several processes (`procs`, all calling this with the same `job.tmp_name`): the primary
     creates the directories; every process writes its shards and its list of files, makes them
     durable and reports ok or its error; a barrier; then the primary alone checks the reports,
     merges the lists into the manifest and renames. A process that never arrives makes the others
@@ -115,6 +115,11 @@ def commit_step(
             listing_path.unlink()
         if procs.count > 1:
             (tmp / ".process-0.json").unlink()
+            for name, merged in records.items():  # two processes must never write one file
+                paths = [f.path for f in merged]
+                if len(set(paths)) != len(paths):
+                    twice = sorted({p for p in paths if paths.count(p) > 1})
+                    raise RuntimeError(f"item {name!r}: several processes wrote {twice[:5]}")
         items = {
             name: ItemEntry(handler.id, handler.version, records[name])
             for name, (handler, _) in job.snapshots.items()
