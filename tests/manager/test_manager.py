@@ -344,15 +344,20 @@ def test_damaged_array_file_names_the_file_and_falls_back(tmp_path: Path) -> Non
             mgr.restore(2)
 
 
+def edit_manifest(root: Path, step: int, edit: Any) -> None:
+    """Change a committed manifest and re-sign it, so only what `edit` did is wrong."""
+    path = root / f"checkpoint_{step}" / "_CHECKPOINT.json"
+    body = json.loads(path.read_bytes())
+    del body["crc32c"]
+    edit(body)
+    path.write_bytes(dump_checked(body))
+
+
 def test_newer_format_version_is_refused(tmp_path: Path) -> None:
     """A manifest from a newer format version raises UnsupportedFormatError, not a fallback."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"s": [1]})
-    path = tmp_path / "checkpoint_1" / "_CHECKPOINT.json"
-    body = json.loads(path.read_bytes())
-    del body["crc32c"]
-    body["format_version"] = 99
-    path.write_bytes(dump_checked(body))
+    edit_manifest(tmp_path, 1, lambda body: body.update(format_version=99))
     with CheckpointManager(tmp_path, read_only=True) as mgr:
         assert mgr.all_steps() == [1]
         for call in (lambda: mgr.restore(1), lambda: mgr.restore(), lambda: mgr.info(1)):
@@ -584,11 +589,9 @@ def test_manifest_paths_must_stay_inside_the_step(tmp_path: Path) -> None:
     """A manifest naming '../' files is corrupt: restore never reads outside the step."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"s": [1]})
-    path = tmp_path / "checkpoint_1" / "_CHECKPOINT.json"
-    body = json.loads(path.read_bytes())
-    del body["crc32c"]
-    body["items"]["s"]["files"][0]["path"] = "../../secret"
-    path.write_bytes(dump_checked(body))
+    edit_manifest(
+        tmp_path, 1, lambda body: body["items"]["s"]["files"][0].update(path="../../secret")
+    )
     with (
         CheckpointManager(tmp_path, read_only=True) as mgr,
         pytest.raises(CorruptCheckpointError, match="malformed"),

@@ -78,6 +78,10 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         # Besides the global array: host data and a process-local array, the same everywhere.
         return {"x": x, "step": step, "host": np.arange(3) * step, "local": jax.numpy.full(2, step)}
 
+    def target(sharding: Any) -> Any:
+        x = jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding)
+        return {"x": x, "step": 0, "host": None, "local": None}
+
     def check(restored: Any, step: int, sharding: Any) -> None:
         x = restored["x"]
         assert x.sharding == sharding, (x.sharding, sharding)
@@ -118,15 +122,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         if scenario == "resume":
             latest = mgr.latest_step()
             print("resumed", latest, mgr.all_steps(), flush=True)
-            target = {
-                "x": jax.ShapeDtypeStruct(
-                    full.shape, np.float32, sharding=NamedSharding(mesh, P("data", "model"))
-                ),
-                "step": 0,
-                "host": None,
-                "local": None,
-            }
-            check(mgr.restore(items={"state": target})["state"], latest, target["x"].sharding)
+            sharding = NamedSharding(mesh, P("data", "model"))
+            check(mgr.restore(items={"state": target(sharding)})["state"], latest, sharding)
             mgr.save(latest + 1, {"state": state(latest + 1), "config": {"lr": 0.1}})
             mgr.wait_until_finished()
             print("steps after", mgr.all_steps(), flush=True)
@@ -152,25 +149,16 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             print("steps", mgr.all_steps(), flush=True)
             print(f"ok {scenario} {procs.index}", flush=True)
             os._exit(0)
-        for spec in (P("data", "model"), P("model", None), P(None, "data"), P()):
-            sharding = NamedSharding(mesh, spec)
-            target = {
-                "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
-                "step": 0,
-                "host": None,
-                "local": None,
-            }
-            check(mgr.restore(2, {"state": target})["state"], 2, sharding)
         other_mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("a", "b"))  # another mesh shape
-        for spec in (P("a", None), P(None, "a"), P("a", "b")):
-            sharding = NamedSharding(other_mesh, spec)
-            target = {
-                "x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
-                "step": 0,
-                "host": None,
-                "local": None,
-            }
-            check(mgr.restore(2, {"state": target})["state"], 2, sharding)
+        shardings = [
+            NamedSharding(mesh, spec)
+            for spec in (P("data", "model"), P("model", None), P(None, "data"), P())
+        ]
+        shardings += [
+            NamedSharding(other_mesh, spec) for spec in (P("a", None), P(None, "a"), P("a", "b"))
+        ]
+        for sharding in shardings:
+            check(mgr.restore(2, {"state": target(sharding)})["state"], 2, sharding)
         mgr.record_metrics(2, {"eval": 0.5})
         assert mgr.metrics(2) == {"loss": 1.0 / 3, "eval": 0.5}, mgr.metrics(2)
         mgr.delete(1)
