@@ -6,7 +6,7 @@ the type registry, the built-in handlers and the error tree. Never imports cairn
 
 import numpy as _np
 
-from cairn.handlers import errors
+from cairn.handlers import _iterators, errors
 from cairn.handlers._files import (
     ChecksummedFile,
     FileRecord,
@@ -15,23 +15,34 @@ from cairn.handlers._files import (
     writing_as,
     writing_process,
 )
+from cairn.handlers._iterators import (
+    GrainIteratorHandler,
+    StatefulIteratorHandler,
+    TfDataIteratorHandler,
+    TfDataIteratorState,
+)
 from cairn.handlers._json import JsonHandler
 from cairn.handlers._memory import InMemoryHandler
 from cairn.handlers._numpy_tree import NumpyTreeHandler
 from cairn.handlers._protocol import Handler, Snapshot
 from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
+from cairn.handlers._registry import register_by_methods as _register_by_methods
 from cairn.handlers._train_state import LazyArray, TrainStateHandler, TrainStateRestore
 
 __all__ = [
     "ChecksummedFile",
     "FileRecord",
+    "GrainIteratorHandler",
     "Handler",
     "InMemoryHandler",
     "JsonHandler",
     "LazyArray",
     "NumpyTreeHandler",
     "Snapshot",
+    "StatefulIteratorHandler",
     "StoredItem",
+    "TfDataIteratorHandler",
+    "TfDataIteratorState",
     "TrainStateHandler",
     "TrainStateRestore",
     "errors",
@@ -50,3 +61,7 @@ __all__ = [
 register(TrainStateHandler(), dict, list, tuple, int, float, complex, _np.ndarray, _np.generic)
 register(NumpyTreeHandler())
 register(JsonHandler())
+# Iterators: by type name (TensorFlow and grain load only when one is saved), then by methods.
+register(TfDataIteratorHandler(), *_iterators.TF_TYPES)
+register(GrainIteratorHandler(), *_iterators.GRAIN_TYPES)
+_register_by_methods(StatefulIteratorHandler(), _iterators.has_state_methods)

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,44 @@ def write_metrics(step_dir: Path, metrics: Mapping[str, float]) -> None:
     fsync_dir(step_dir)
 
 
+def drop_item(step_dir: Path, manifest: Manifest, item: str) -> tuple[Manifest, Path]:
+    """Per-item retention: remove one item from a committed step; returns the new manifest and
+    the trash path for `remove_trash`.
+
+    The manifest that marks the item dropped replaces the old one atomically first, so from then
+    on no reader looks for the item's files; only then does the item's directory leave the step
+    (renamed to trash beside the steps). A crash in between leaves an orphan directory, which
+    `remove_dropped` clears at the next start.
+    """
+    entry = manifest.items[item]
+    items = {**manifest.items, item: dataclasses.replace(entry, dropped=True, files=())}
+    new = dataclasses.replace(manifest, items=items)
+    tmp = step_dir / f".{MANIFEST}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(new.to_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, step_dir / MANIFEST)  # the item is dropped from here on
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(step_dir)
+    trash = step_dir.parent / trash_name(f"{step_dir.name}-{item}")
+    os.rename(step_dir / item, trash)
+    fsync_dir(step_dir)
+    fsync_dir(step_dir.parent)
+    return new, trash
+
+
+def remove_dropped(step_dir: Path, manifest: Manifest) -> None:
+    """Remove directories of items the manifest marks dropped (left by a crash in `drop_item`)."""
+    for name, entry in manifest.items.items():
+        if entry.dropped and (step_dir / name).is_dir():
+            log.info("cairn: removing dropped item %r left in %s", name, step_dir)
+            shutil.rmtree(step_dir / name)
+
+
 def delete_step(root: Path, name: str) -> Path | None:
     """Retire a committed step: rename it to trash (atomic: from then on it is no step) and fsync.
 
@@ -262,10 +301,10 @@ def clean_leftovers(root: Path, names: StepNames) -> list[str]:
             else:
                 os.unlink(entry.path)
             removed.append(entry.name)
-    for entry in os.scandir(root):  # half-written metrics.json replacements inside steps
+    for entry in os.scandir(root):  # half-written metrics.json or manifest replacements
         if entry.is_dir(follow_symlinks=False) and names.parse(entry.name) is not None:
             for inner in os.scandir(entry.path):
-                if inner.name.startswith(f".{METRICS}.tmp-"):
+                if inner.name.startswith((f".{METRICS}.tmp-", f".{MANIFEST}.tmp-")):
                     os.unlink(inner.path)
                     removed.append(f"{entry.name}/{inner.name}")
     if removed:

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
-from cairn.handlers._files import lower_thread_priority
+from cairn.handlers._files import lower_thread_priority, writing_as
 from cairn.handlers.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -53,9 +53,11 @@ from cairn.manager._policies import (
     SavePolicy,
     StepView,
     find_keep_best,
+    find_on_preemption,
     policy_kind,
     steps_to_delete,
 )
+from cairn.manager._preemption import PreemptionWatch
 from cairn.manager._validate import as_step, check_item_name, check_items
 
 log = logging.getLogger("cairn")
@@ -144,6 +146,7 @@ class CheckpointManager:
         *,
         save: SavePolicy | None = None,
         keep: KeepPolicy | None = None,
+        keep_items: Mapping[str, KeepPolicy] | None = None,
         handlers: Mapping[str, Handler] | None = None,
         best: tuple[str, Literal["min", "max"]] | None = None,
         step_prefix: str = "checkpoint",
@@ -164,6 +167,7 @@ class CheckpointManager:
             raise TypeError(
                 f"keep= must be a keep policy (KeepLatest, KeepBest, ...), got {keep!r}"
             )
+        self._keep_items = _check_keep_items(keep_items)
         self._handlers = _check_handlers(handlers)
         self._best = _check_best(best)
         self._names = StepNames(step_prefix, step_digits)
@@ -183,8 +187,10 @@ class CheckpointManager:
         self._async = async_save
         self._read_only = read_only
         self._timeout = float(barrier_timeout)
-        # Writers of a jax.distributed run coordinate; readers need not.
+        # Writers of a jax.distributed run coordinate; readers need not, but restore each
+        # process's own per-process data (iterator positions).
         self._procs = SINGLE if read_only else Processes.detect()
+        self._me = Processes.detect() if read_only else self._procs
         self._calls = 0  # collective calls so far: the same sequence on every process
 
         self._lock = threading.Lock()
@@ -217,6 +223,10 @@ class CheckpointManager:
             )
             self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
             self._steps = self._scan()
+            if not read_only and primary:  # a crash between dropping an item and trashing it
+                for step, rec in self._steps.items():
+                    if rec.manifest is not None:
+                        _commit.remove_dropped(self._root / self._names.format(step), rec.manifest)
         except BaseException:
             if self._dir_lock is not None:
                 self._dir_lock.release()
@@ -236,6 +246,10 @@ class CheckpointManager:
         )
         newest = self._newest_intact()
         self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
+        preemption = [] if read_only else find_on_preemption(self._save_policy)
+        self._preemption = (
+            PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -269,6 +283,7 @@ class CheckpointManager:
             latest_step=max(known) if known else None,
             last_save_time=self._last_save_time,
             now=time.time(),
+            preempted=self._preemption is not None and self._preemption.reached(step),
         )
         if self._procs.count == 1 or not _uses_time(self._save_policy):
             return bool(self._save_policy.should_save(step, context))
@@ -358,7 +373,27 @@ class CheckpointManager:
                 self._inflight.discard(step)
             self._slots.release()
             raise
+        if self._preemption is not None and self._preemption.reached(step):
+            self.wait_until_finished()  # the job is ending: this step must land before it does
         return True
+
+    def reached_preemption(self, step: Any) -> bool:
+        """Whether the job was told to stop (needs ``OnPreemption`` in ``save=``): save, then exit.
+
+        Typical loop: ``if mgr.should_save(step): mgr.save(...)``, then
+        ``if mgr.reached_preemption(step): break``. With several processes (and no JAX preemption
+        service) the primary decides for everyone, so all stop at the same step.
+        """
+        step = as_step(step)
+        if self._preemption is None:
+            return False
+        mine = self._preemption.reached(step)
+        if self._procs.count == 1 or self._preemption.synchronised:
+            return mine
+        decided = str(mine) if self._procs.primary else None
+        return (
+            self._procs.broadcast(self._collective("preempted"), decided, self._timeout) == "True"
+        )
 
     def _run_save(self, job: _commit.SaveJob, *, reraise: bool) -> None:
         """Commit thread: commit one step, then apply retention. Errors are kept for the caller.
@@ -448,6 +483,21 @@ class CheckpointManager:
                 self._delete_now(step)
             except OSError as e:  # one bad step must not stop retention for the others
                 failures.append((step, e))
+        for item, policy in self._keep_items.items():
+            with self._lock:
+                holding = [
+                    StepView(s, rec.manifest.started_at, rec.metrics)
+                    for s, rec in self._steps.items()
+                    if rec.manifest is not None
+                    and item in rec.manifest.items
+                    and not rec.manifest.items[item].dropped
+                ]
+            for step in steps_to_delete(holding, policy):
+                log.info("cairn: retention drops item %r of step %d", item, step)
+                try:
+                    self._drop_item_now(step, item)
+                except OSError as e:
+                    failures.append((step, e))
         if failures:
             step, first = failures[0]
             raise OSError(
@@ -463,6 +513,18 @@ class CheckpointManager:
                     self._steps.pop(step, None)
                     self._commit_telemetry.pop(step, None)
         if trash is not None and self._reclaimer is not None:
+            self._reclaimer.submit(_commit.remove_trash, trash)
+
+    def _drop_item_now(self, step: int, item: str) -> None:
+        with self._lock:
+            rec = self._steps[step]
+        assert rec.manifest is not None
+        manifest, trash = _commit.drop_item(
+            self._root / self._names.format(step), rec.manifest, item
+        )
+        with self._lock:
+            rec.manifest = manifest
+        if self._reclaimer is not None:
             self._reclaimer.submit(_commit.remove_trash, trash)
 
     def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
@@ -523,6 +585,8 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            if self._preemption is not None:
+                self._preemption.close()
             for pool in (self._executor, self._reclaimer):
                 if pool is not None:
                     pool.shutdown(wait=True)
@@ -643,7 +707,8 @@ class CheckpointManager:
                 self._check_still_there(step, step_dir)
                 raise
             try:
-                restored[name] = handler.restore(stored, target)
+                with writing_as(self._me.index, self._me.count):  # per-process data: this one's
+                    restored[name] = handler.restore(stored, target)
             except CorruptCheckpointError:
                 self._check_still_there(step, step_dir)
                 raise
@@ -902,6 +967,22 @@ def _check_directory(directory: Any) -> Path:
     if path.exists() and not path.is_dir():
         raise ValueError(f"directory {str(path)!r} exists and is not a directory")
     return path
+
+
+def _check_keep_items(keep_items: Any) -> dict[str, KeepPolicy]:
+    if keep_items is None:
+        return {}
+    if not isinstance(keep_items, Mapping):
+        raise TypeError(
+            f"keep_items must be a mapping of item name to keep policy, got {keep_items!r}"
+        )
+    for name, policy in keep_items.items():
+        check_item_name(name)
+        if policy_kind(policy) != "keep":
+            raise TypeError(
+                f"keep_items[{name!r}] must be a keep policy (KeepLatest, ...), got {policy!r}"
+            )
+    return dict(keep_items)
 
 
 def _check_handlers(handlers: Any) -> dict[str, Handler]:

@@ -24,6 +24,7 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "KeepPolicy",
+    "OnPreemption",
     "SaveContext",
     "SavePolicy",
     "StepView",
@@ -36,12 +37,14 @@ class SaveContext:
 
     `latest_step`: the newest committed (or in-flight) step, None if there is none.
     `last_save_time`: wall-clock time (time.time()) the last save started, else the newest step's
-    save time read from its manifest, else None. `now`: the current time.
+    save time read from its manifest, else None. `now`: the current time. `preempted`: the job
+    was told to stop (SIGTERM, or JAX's preemption sync point reached at this step).
     """
 
     latest_step: int | None
     last_save_time: float | None
     now: float
+    preempted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +129,49 @@ class EveryNSeconds:
         del step
         last = context.last_save_time
         return last is None or context.now - last >= self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPreemption:
+    """Save at the first step after the job is told to stop.
+
+    The manager watches for SIGTERM (what cluster schedulers send before they kill a job; more
+    signals with `signals=`), or, in a ``jax.distributed`` run with JAX's preemption service, uses
+    ``reached_preemption_sync_point(step)`` so that every process saves the same step. A save this
+    policy asks for waits for its commit before `save()` returns; then
+    ``manager.reached_preemption(step)`` is True and the trainer should exit. Combine it with a
+    regular schedule: ``AnyOf(EveryNSteps(1000), OnPreemption())``.
+    """
+
+    signals: tuple[int, ...] = dataclasses.field(default=(15,), kw_only=True)  # SIGTERM
+
+    def __post_init__(self) -> None:
+        import signal
+
+        valid = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+        if (
+            not isinstance(self.signals, tuple)
+            or not self.signals
+            or any(isinstance(s, bool) or s not in valid for s in self.signals)
+        ):
+            raise ValueError(
+                "OnPreemption: signals must be a non-empty tuple of catchable signal numbers, "
+                f"got {self.signals!r}"
+            )
+        object.__setattr__(self, "signals", tuple(signal.Signals(s) for s in self.signals))
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        del step
+        return context.preempted
+
+
+def find_on_preemption(policy: SavePolicy) -> list[OnPreemption]:
+    """Every OnPreemption inside a save policy."""
+    if isinstance(policy, OnPreemption):
+        return [policy]
+    if isinstance(policy, AnyOf):
+        return [o for p in policy.policies for o in find_on_preemption(p)]  # type: ignore[arg-type]
+    return []
 
 
 # ---------------------------------------------------------------------------- keep policies
