@@ -55,10 +55,60 @@ def main() -> None:
             raise AssertionError("the barrier passed with a dead peer")
     elif scenario in ("save", "kill-0", "kill-1", "resume", "clock"):
         run_manager(scenario, procs, directory)
+    elif scenario == "iterators":
+        per_process_iterators(procs, directory)
+    elif scenario == "preempt":
+        preempt(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
     if scenario == "peer-dies" or scenario.startswith("kill"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
     jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
+
+
+def per_process_iterators(procs: Any, directory: str) -> None:
+    """Each process reads its own shard: each saves and restores its own iterator position."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from iterutil import Shuffled, advanced, take
+
+    from cairn.manager import CheckpointManager, KeepLatest
+
+    def position(step: int) -> int:
+        return 3 + 10 * procs.index + step
+
+    with CheckpointManager(
+        directory, keep_items={"data": KeepLatest(1)}, barrier_timeout=30
+    ) as mgr:
+        for step in (1, 2):
+            it = advanced(Shuffled(seed=procs.index), position(step))
+            mgr.save(step, {"data": it, "w": np.arange(3) * step})
+        mgr.wait_until_finished()
+        got = mgr.restore(2, {"data": Shuffled(seed=procs.index)})["data"]
+        assert take(got) == take(advanced(Shuffled(seed=procs.index), position(2)))
+        assert mgr.info(1).items["data"].dropped and not mgr.info(2).items["data"].dropped
+        assert list(mgr.restore(1)) == ["w"]
+    print("files", sorted(os.listdir(os.path.join(directory, "checkpoint_2", "data"))), flush=True)
+
+
+def preempt(procs: Any, directory: str) -> None:
+    """Process 1 gets SIGTERM at step 5; JAX's preemption sync point makes both save one step."""
+    import numpy as np
+
+    from cairn.manager import AnyOf, CheckpointManager, EveryNSteps, OnPreemption
+
+    with CheckpointManager(
+        directory, save=AnyOf(EveryNSteps(10**6), OnPreemption()), barrier_timeout=30
+    ) as mgr:
+        for step in range(1, 100_000):
+            procs.barrier(f"cairn-test/step/{step}", 30)  # stands in for a collective train step
+            if procs.index == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # JAX's handler notes it; the run goes on
+            if mgr.should_save(step):
+                mgr.save(step, {"w": np.full(2, step)})
+            if mgr.reached_preemption(step):
+                print(f"preempted at {step} {mgr.all_steps()}", flush=True)
+                break
 
 
 def run_manager(scenario: str, procs: Any, directory: str) -> None:

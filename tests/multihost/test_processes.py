@@ -91,3 +91,28 @@ def test_sigkill_of_either_process_mid_save_commits_nothing(tmp_path: Path, vict
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed 2 [1, 2]" in r.stdout and "steps after [2, 3]" in r.stdout
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_each_process_saves_and_restores_its_own_iterator(tmp_path: Path) -> None:
+    """One file per process in the item; each restores its own position; keep_items drops the
+    item of the older step on every process's view."""
+    results = launch("iterators", tmp_path)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"ok iterators {i}" in r.stdout
+        assert "files ['process_0-of-2.json', 'process_1-of-2.json']" in r.stdout
+    assert not (tmp_path / "checkpoint_1" / "data").exists()
+
+
+def test_preemption_notice_to_one_process_saves_one_step_on_both(tmp_path: Path) -> None:
+    """SIGTERM to process 1 only: through JAX's preemption sync point both save the same step,
+    that save is committed when save() returns, and both stop there."""
+    results = launch("preempt", tmp_path)
+    lines = []
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines.append(next(x for x in r.stdout.splitlines() if x.startswith("preempted at")))
+    assert lines[0] == lines[1], lines
+    step = int(lines[0].split()[2])
+    assert step > 5 and lines[0].endswith(f"[{step}]")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == [f"checkpoint_{step}"]
