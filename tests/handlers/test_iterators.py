@@ -265,3 +265,19 @@ def test_tf_state_over_two_gib(tmp_path: Path) -> None:
         fresh = iter(ds)
         mgr.restore(1, {"data": fresh})
     assert np.array_equal(next(fresh).numpy(), expect)
+
+
+def test_grain_multiprocess_prefetch(tmp_path: Path) -> None:
+    """mp_prefetch with 2 worker processes: the per-worker positions are saved and restored."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parents[1] / "grain_mp_worker.py"
+    out = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "equal True cairn.grain_iterator" in out.stdout
