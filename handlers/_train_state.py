@@ -473,7 +473,12 @@ class TrainStateHandler:
                 dtype = np.dtype(opts.restore_dtype)  # the target's dtype is not checked then
                 check_leaf(node, target_leaf, path, dtype=None, check_dtype=False)
             else:
-                if saved_from is not None and getattr(target_leaf, "dtype", None) == saved_from:
+                target_dtype = getattr(target_leaf, "dtype", None)  # np.dtype(None) is float64:
+                if (
+                    saved_from is not None
+                    and target_dtype is not None
+                    and target_dtype == saved_from
+                ):
                     dtype = saved_from  # undo the save_dtype cast
                 check_leaf(node, target_leaf, path, dtype=dtype)
             if opts.where is not None and not opts.where(full):

@@ -3,7 +3,7 @@
 from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest
 """
 
-from cairn.manager import errors
+from cairn.manager import errors, t5x
 from cairn.manager._format import FORMAT_VERSION
 from cairn.manager._manager import CheckpointManager, ItemInfo, StepInfo
 from cairn.manager._policies import (
@@ -65,4 +65,5 @@ __all__ = [
     "StepView",
     "UnsupportedFormatError",
     "errors",
+    "t5x",
 ]

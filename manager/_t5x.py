@@ -1,0 +1,839 @@
+"""T5X's checkpoint API on top of CheckpointManager (public as cairn.manager.t5x).
+
+Names, signatures and documented behaviour follow ``t5x.checkpoints``; the differences (saves are
+asynchronous, atomic and verified; step 0 is a step; an existing step is reported, not silently
+skipped on some hosts; `keep_dataset_checkpoints` and `save_dtype` work in the Orbax-style
+wrapper) are listed in docs/migrating-from-t5x.md. The on-disk format is cairn's: a step is
+``checkpoint_<step>/`` with the train state as item ``state`` (T5X's state-dict layout:
+``{"target": params, "state": {"step", "param_states"}, ...}``) and the dataset iterator as item
+``dataset`` (one file per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from cairn.handlers import TfDataIteratorHandler, TrainStateHandler, TrainStateRestore
+from cairn.handlers import handler_for as _handler_for
+from cairn.handlers.errors import CairnError, ItemNotFoundError, StepAlreadyExistsError
+from cairn.manager._format import MANIFEST, Manifest
+from cairn.manager._manager import CheckpointManager
+from cairn.manager._policies import (
+    AnyOf,
+    AtSteps,
+    EveryNSteps,
+    KeepAll,
+    KeepEvery,
+    KeepLatest,
+    KeepPolicy,
+    StepView,
+)
+from cairn.manager._validate import as_step
+
+__all__ = [
+    "Checkpointer",
+    "DatasetCheckpointHandler",
+    "OrbaxCheckpointManagerInterface",
+    "SaveBestCheckpointer",
+    "all_dataset_checkpoint_steps",
+    "all_steps",
+    "find_checkpoint",
+    "get_checkpoint_dir",
+    "get_step_from_checkpoint_dir",
+    "latest_step",
+    "load_t5x_checkpoint",
+    "populate_metrics_for_steps",
+]
+
+log = logging.getLogger("cairn")
+
+STATE, DATASET, PREFIX = "state", "dataset", "checkpoint"
+_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+
+PathLike = str | os.PathLike[str]
+
+# ---------------------------------------------------------------------------- train states
+
+
+def _state_dict(train_state: Any, what: str = "train_state") -> dict[str, Any]:
+    """T5X's state-dict layout for any accepted train state (see `Checkpointer`)."""
+    if callable(getattr(train_state, "state_dict", None)) and callable(
+        getattr(train_state, "restore_state", None)
+    ):
+        return dict(train_state.state_dict())  # a T5X TrainState
+    if isinstance(train_state, Mapping):
+        if isinstance(train_state.get("state"), Mapping) and "step" in train_state["state"]:
+            return dict(train_state)  # already a T5X state dict
+        if "step" not in train_state:
+            raise ValueError(
+                f"{what}: a dict train state needs a 'step' entry (and 'params' or 'target', "
+                f"'opt_state'); it has {sorted(map(str, train_state))}"
+            )
+        params_key = "params" if "params" in train_state else "target"
+        if params_key not in train_state:
+            raise ValueError(f"{what}: a dict train state needs 'params' (or 'target')")
+        rest = {k: v for k, v in train_state.items() if k not in ("step", params_key, "opt_state")}
+        state = {"step": train_state["step"], "param_states": train_state.get("opt_state")}
+        return {"target": train_state[params_key], "state": state, **rest}
+    if all(hasattr(train_state, a) for a in ("step", "params", "opt_state")):
+        return {  # a flax-style TrainState (struct dataclass with step, params, opt_state)
+            "target": train_state.params,
+            "state": {"step": train_state.step, "param_states": train_state.opt_state},
+        }
+    raise TypeError(
+        f"{what} must be a T5X TrainState (state_dict/restore_state), a flax-style TrainState "
+        f"(step, params, opt_state) or a dict with 'step', 'params' and 'opt_state'; got "
+        f"{type(train_state).__qualname__}"
+    )
+
+
+def _rebuild(template: Any, state_dict: Mapping[str, Any]) -> Any:
+    """A train state of the template's kind holding `state_dict` (T5X: restore_state)."""
+    if callable(getattr(template, "restore_state", None)):
+        return template.restore_state(dict(state_dict))
+    if isinstance(template, Mapping):
+        if isinstance(template.get("state"), Mapping) and "step" in template["state"]:
+            return dict(state_dict)
+        params_key = "params" if "params" in template else "target"
+        rest = {k: v for k, v in state_dict.items() if k not in ("target", "state")}
+        out = {
+            "step": state_dict["state"]["step"],
+            params_key: state_dict["target"],
+            "opt_state": state_dict["state"]["param_states"],
+            **rest,
+        }
+        return {k: out[k] for k in template if k in out} | out  # the template's key order
+    return template.replace(
+        step=state_dict["state"]["step"],
+        params=state_dict["target"],
+        opt_state=state_dict["state"]["param_states"],
+    )
+
+
+def _step_of(state_dict: Mapping[str, Any]) -> int:
+    step = state_dict["state"]["step"]
+    if callable(getattr(step, "get", None)) and not isinstance(step, Mapping):
+        step = step.get()  # a LazyArray
+    return as_step(np.asarray(step), argument="train_state step")
+
+
+def _is_target(path: Sequence[Any]) -> bool:
+    return bool(path) and path[0] == "target"
+
+
+def _restore_target(train_state: Any, partitioner: Any) -> dict[str, Any]:
+    """The state dict to restore into: the template's leaves, placed by the partitioner."""
+    template = _state_dict(train_state)
+    if partitioner is None:
+        return template
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if callable(getattr(partitioner, "get_mesh_axes", None)) and hasattr(partitioner, "mesh"):
+        mesh, specs = partitioner.mesh, _state_dict(partitioner.get_mesh_axes(train_state))
+    elif (
+        isinstance(partitioner, tuple)
+        and len(partitioner) == 2
+        and isinstance(partitioner[0], jax.sharding.Mesh)
+    ):
+        mesh, specs = partitioner[0], _state_dict(partitioner[1], "partitioner")
+    else:
+        mesh, specs = None, _state_dict(partitioner, "partitioner")
+
+    def is_spec(x: Any) -> bool:
+        return x is None or isinstance(x, (PartitionSpec, jax.sharding.Sharding))
+
+    flat_specs = {
+        jax.tree_util.keystr(p): s
+        for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    }
+
+    def place(path: Any, leaf: Any) -> Any:
+        spec = flat_specs.get(jax.tree_util.keystr(path))
+        if spec is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            return leaf
+        if isinstance(spec, PartitionSpec):
+            if mesh is None:
+                raise TypeError(
+                    "partitioner: PartitionSpecs need a mesh; pass (mesh, specs) or a T5X "
+                    "partitioner with .mesh and get_mesh_axes()"
+                )
+            spec = NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=spec)
+
+    return jax.tree_util.tree_map_with_path(place, template)
+
+
+def _call_save_fns(fns: Sequence[Callable[..., Any]], state_dict: dict[str, Any]) -> Any:
+    """T5X save transformations: ``fn(state_dict, parameter_infos) -> (state_dict, infos)``;
+    cairn has no parameter infos, so they get None (and may return the state dict alone)."""
+    for fn in fns:
+        out = fn(state_dict, None)
+        state_dict = out[0] if isinstance(out, tuple) else out
+    return state_dict
+
+
+def _check_fns(fns: Any, what: str) -> tuple[Callable[..., Any], ...]:
+    if isinstance(fns, (str, bytes)) or not isinstance(fns, Iterable):
+        raise TypeError(f"{what} must be a sequence of functions, got {fns!r}")
+    fns = tuple(fns)
+    for fn in fns:
+        if not callable(fn):
+            raise TypeError(f"{what} must hold functions, got {fn!r}")
+    return fns
+
+
+def _check_keep(value: Any, what: str) -> int | None:
+    if value is None or value == 0:
+        return None  # T5X: None or 0 keeps everything
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be None or a non-negative int, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------- directories
+
+
+def get_checkpoint_dir(
+    checkpoints_dir: PathLike, step: int, step_format_fixed_length: int | None = None
+) -> str:
+    """``<checkpoints_dir>/checkpoint_<step>``, the step zero-padded to a fixed length if given."""
+    step = as_step(step)
+    if step_format_fixed_length is None:
+        name = f"{PREFIX}_{step}"
+    else:
+        if (
+            isinstance(step_format_fixed_length, bool)
+            or not isinstance(step_format_fixed_length, int)
+            or step_format_fixed_length < 1
+        ):
+            raise ValueError(
+                "step_format_fixed_length must be None or a positive int, got "
+                f"{step_format_fixed_length!r}"
+            )
+        name = f"{PREFIX}_{step:0{step_format_fixed_length}d}"
+    return os.path.join(os.fspath(checkpoints_dir), name)
+
+
+def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
+    """``(parent directory, step)`` of a path ``.../checkpoint_<step>`` (T5X's order)."""
+    text = os.fspath(checkpoints_dir).rstrip("/")
+    parent, name = os.path.split(text)
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"Found improperly formatted checkpoint directory: {checkpoints_dir!s} "
+            "(expected a name checkpoint_<step>)"
+        )
+    return parent, int(match.group(1))
+
+
+def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
+    """Committed step directories (named checkpoint_<digits>, holding a manifest) by step."""
+    root = Path(os.fspath(checkpoints_dir))
+    found: dict[int, Path] = {}
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            found.setdefault(int(match.group(1)), Path(entry.path))
+    return found
+
+
+def all_steps(checkpoints_dir: PathLike) -> list[int]:
+    """Committed steps in `checkpoints_dir`, ascending (temporary directories never count)."""
+    return sorted(_committed(checkpoints_dir))
+
+
+def latest_step(checkpoints_dir: PathLike) -> int | None:
+    """The newest committed step, or None (step 0 is a step)."""
+    steps = all_steps(checkpoints_dir)
+    return steps[-1] if steps else None
+
+
+def all_dataset_checkpoint_steps(checkpoints_dir: PathLike) -> list[int]:
+    """Committed steps that still hold the dataset iterator (not dropped by retention)."""
+    steps = []
+    for step, path in sorted(_committed(checkpoints_dir).items()):
+        try:
+            manifest = Manifest.from_bytes((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+        except (OSError, CairnError):
+            continue
+        entry = manifest.items.get(DATASET)
+        if entry is not None and not entry.dropped:
+            steps.append(step)
+    return steps
+
+
+def find_checkpoint(path: PathLike, step: int | None = None) -> str:
+    """The manifest file of a checkpoint (cairn's counterpart of T5X's ``checkpoint`` file).
+
+    `path` may be a model directory (then the checkpoint of `step`, or the latest one), a
+    checkpoint directory ``checkpoint_<step>``, or its manifest file. ValueError if none is there.
+    """
+    text = os.fspath(path)
+    candidate = Path(text)
+    if candidate.is_dir():
+        if _STEP_DIR.fullmatch(candidate.name) and step is None:
+            pass  # a checkpoint directory itself
+        else:
+            if step is None:
+                step = latest_step(candidate)
+                if step is None:
+                    raise ValueError(f"Path is not a valid checkpoint: {text} (no checkpoints)")
+            found = _committed(candidate).get(as_step(step))
+            candidate = found if found is not None else Path(get_checkpoint_dir(candidate, step))
+        candidate = candidate / MANIFEST
+    if not candidate.is_file() or candidate.name != MANIFEST:
+        raise ValueError(f"Path is not a valid checkpoint: {candidate}")
+    return str(candidate)
+
+
+def _open_step(path: PathLike, step: int | None = None) -> tuple[CheckpointManager, int]:
+    """A read-only manager on the directory holding the checkpoint, and its step."""
+    manifest = Path(find_checkpoint(path, step))
+    parent, found = get_step_from_checkpoint_dir(manifest.parent)
+    return CheckpointManager(parent, read_only=True), found
+
+
+def load_t5x_checkpoint(
+    path: PathLike,
+    step: int | None = None,
+    state_transformation_fns: Sequence[Callable[..., Any]] = (),
+    remap: bool = True,
+    restore_dtype: Any = None,
+    lazy_parameters: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint's train state as a nested dict of NumPy arrays, without an optimizer.
+
+    The dict has T5X's layout (``{"target": ..., "state": {"step", "param_states"}}``).
+    `state_transformation_fns` run in order as ``fn(state_dict, {})`` when `remap` is True (as
+    T5X; `remap=False` skips them). `restore_dtype` casts the floating leaves of ``target``.
+    `lazy_parameters` returns LazyArrays that read on ``.get()``.
+    """
+    fns = _check_fns(state_transformation_fns, "state_transformation_fns")
+    if not isinstance(remap, bool) or not isinstance(lazy_parameters, bool):
+        raise TypeError("remap and lazy_parameters must be bools")
+    mgr, found = _open_step(path, step)
+    with mgr:
+        transforms = [lambda state, target, fn=fn: fn(state, {}) for fn in fns] if remap else []
+        opts = TrainStateRestore(
+            None,
+            restore_dtype=restore_dtype,
+            cast=_is_target,
+            transforms=transforms,
+            lazy=lazy_parameters,
+        )
+        restored: dict[str, Any] = mgr.restore(found, {STATE: opts})[STATE]
+    if restore_dtype is not None and "target" not in restored:
+        raise ValueError(
+            f"restore_dtype={restore_dtype} was specified, but no `target` parameters were loaded."
+        )
+    return restored
+
+
+# ---------------------------------------------------------------------------- TensorBoard metrics
+
+
+def _event_value(value: Any) -> float | None:
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if value.HasField("tensor"):
+        from tensorboard.util import tensor_util
+
+        array = tensor_util.make_ndarray(value.tensor)
+        if array.size == 1 and array.dtype.kind in "fiub":
+            return float(array.reshape(()))
+    return None
+
+
+def populate_metrics_for_steps(
+    checkpoints_dir: PathLike, metric_name: str, steps: Iterable[int]
+) -> dict[int, float]:
+    """Read ``{run}/{tag}`` from the TensorBoard event files under `checkpoints_dir`, for `steps`.
+
+    The run is the longest leading part of `metric_name` that is a directory of event files under
+    `checkpoints_dir` (T5X's model directory: ``train``, ``inference_eval/...``). Every event is
+    read (no sampling), scalar (``simple_value``) and tensor summaries alike; when a step was
+    written twice (a restarted run), the later event wins. Returns ``{step: value}`` for the steps
+    found, as floats.
+    """
+    if not isinstance(metric_name, str) or "/" not in metric_name.strip("/"):
+        raise ValueError(
+            f"metric_name must be '{{run}}/{{tag}}' (e.g. 'train/accuracy'), got {metric_name!r}"
+        )
+    wanted = {as_step(s) for s in steps}
+    root, parts = Path(os.fspath(checkpoints_dir)), metric_name.strip("/").split("/")
+    for cut in range(len(parts) - 1, 0, -1):
+        run, tag = root.joinpath(*parts[:cut]), "/".join(parts[cut:])
+        files = sorted(p for p in run.glob("*tfevents*") if p.is_file()) if run.is_dir() else []
+        if files:
+            break
+    else:
+        return {}
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    found: dict[int, tuple[float, float]] = {}
+    for file in files:
+        for event in EventFileLoader(str(file)).Load():
+            if event.step not in wanted:
+                continue
+            for value in event.summary.value:
+                number = _event_value(value) if value.tag == tag else None
+                later = event.step not in found or event.wall_time >= found[event.step][0]
+                if number is not None and later:
+                    found[event.step] = (event.wall_time, number)
+    return {step: value for step, (_, value) in sorted(found.items())}
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepBestFromEvents:
+    """SaveBestCheckpointer's retention: the latest step, the `n` best by a TensorBoard metric,
+    steps that are multiples of `force_keep_period`, and (if `keep_without_metrics`) every step
+    whose metric has not been written yet. NaN counts as missing."""
+
+    n: int
+    metric: str
+    mode: Literal["min", "max"]
+    keep_without_metrics: bool
+    force_keep_period: int | None
+    logdir: str
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        ordered = sorted(v.step for v in steps)
+        if not ordered:
+            return set()
+        latest = ordered[-1]
+        period = self.force_keep_period
+        forced = {s for s in ordered if period and s % period == 0}
+        candidates = [s for s in ordered[:-1] if s not in forced]
+        if len(candidates) <= self.n:
+            return set(ordered)
+        metrics = {
+            s: v
+            for s, v in populate_metrics_for_steps(self.logdir, self.metric, candidates).items()
+            if not math.isnan(v)
+        }
+        without = {s for s in candidates if s not in metrics}
+        pool = [s for s in candidates if s in metrics or not self.keep_without_metrics]
+        worst = math.inf if self.mode == "min" else -math.inf
+        sign = 1.0 if self.mode == "min" else -1.0
+        pool.sort(key=lambda s: (sign * metrics.get(s, worst), -s))  # best first, newer on ties
+        kept = {latest, *forced, *pool[: self.n]}
+        return kept | without if self.keep_without_metrics else kept
+
+
+# ---------------------------------------------------------------------------- checkpointers
+
+
+class DatasetCheckpointHandler(TfDataIteratorHandler):
+    """T5X's name for the tf.data iterator handler: cairn's TfDataIteratorHandler.
+
+    `checkpoint_filename` (T5X: ``train_ds-XXX-of-YYY``) is kept for compatibility; cairn names
+    the files of an iterator item ``process_<i>-of-<n>.tfdata``, one per process.
+    """
+
+    def __init__(self, checkpoint_filename: str = "train_ds") -> None:
+        super().__init__()
+        if not isinstance(checkpoint_filename, str) or not checkpoint_filename:
+            raise ValueError(
+                f"checkpoint_filename must be a non-empty str, got {checkpoint_filename!r}"
+            )
+        self.checkpoint_filename = checkpoint_filename
+
+
+class _T5XCheckpointing:
+    """What Checkpointer, SaveBestCheckpointer and the Orbax-style wrapper share: a
+    CheckpointManager writing item "state" (T5X's state dict) and item "dataset"."""
+
+    def __init__(
+        self,
+        train_state: Any,
+        partitioner: Any,
+        checkpoints_dir: PathLike,
+        dataset_iterator: Any,
+        *,
+        save_policy: Any,
+        keep: KeepPolicy,
+        keep_dataset_checkpoints: int | None,
+        save_dtype: Any,
+        restore_dtype: Any,
+    ) -> None:
+        self._template = train_state
+        _state_dict(train_state)  # a TypeError/ValueError now, not at the first save
+        self._partitioner = partitioner
+        if dataset_iterator is not None:
+            _handler_for(dataset_iterator)  # TypeError if no handler saves it
+        self._dataset_iterator = dataset_iterator
+        self.checkpoints_dir = os.fspath(checkpoints_dir)
+        self.save_dtype = None if save_dtype is None else np.dtype(save_dtype)
+        self.restore_dtype = None if restore_dtype is None else np.dtype(restore_dtype)
+        ds_keep = _check_keep(keep_dataset_checkpoints, "keep_dataset_checkpoints")
+        handler = TrainStateHandler(save_dtype=self.save_dtype, save_dtype_where=_is_target)
+        self._manager = CheckpointManager(
+            self.checkpoints_dir,
+            save=save_policy,
+            keep=keep,
+            keep_items={DATASET: KeepLatest(ds_keep)} if ds_keep else None,
+            handlers={STATE: handler},
+            step_prefix=PREFIX,
+        )
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The CheckpointManager underneath (metrics, info, record_metrics, ...)."""
+        return self._manager
+
+    def _save(
+        self, train_state: Any, state_transformation_fns: Sequence[Callable[..., Any]], force: bool
+    ) -> bool:
+        fns = _check_fns(state_transformation_fns, "state_transformation_fns")
+        state_dict = _call_save_fns(fns, _state_dict(train_state))
+        step = _step_of(state_dict)
+        items: dict[str, Any] = {STATE: state_dict}
+        if self._dataset_iterator is not None:
+            items[DATASET] = self._dataset_iterator
+        return self._manager.save(step, items, force=force)
+
+    def _restore(
+        self,
+        step: int | None,
+        path: PathLike | None,
+        state_transformation_fns: Sequence[Callable[..., Any]],
+        fallback_state: Any,
+        lazy_parameters: bool,
+    ) -> Any:
+        if step is not None and path is not None:
+            raise ValueError("At most one of `step` or `path` may be provided.")
+        fns = _check_fns(state_transformation_fns, "state_transformation_fns")
+        if not isinstance(lazy_parameters, bool):
+            raise TypeError(f"lazy_parameters must be a bool, got {lazy_parameters!r}")
+        self._manager.wait_until_finished()  # pending saves land first
+        mgr, own = self._manager, True
+        if path is not None:
+            try:
+                manifest = Path(find_checkpoint(path))
+                parent, step = get_step_from_checkpoint_dir(manifest.parent)
+            except ValueError as e:
+                raise ValueError(f"Path is not a valid checkpoint: {os.fspath(path)} ({e})") from e
+            if Path(parent).resolve() != Path(self.checkpoints_dir).resolve():
+                mgr, own = CheckpointManager(parent, read_only=True), False
+        elif step is None:
+            step = mgr.latest_step()
+            if step is None:
+                raise ValueError(f"No checkpoints found in {self.checkpoints_dir}.")
+        else:
+            step = as_step(step)
+            if step not in mgr.all_steps():
+                raise ValueError(
+                    f"Checkpoint for step {step} does not exist in {self.checkpoints_dir} "
+                    f"(steps: {mgr.all_steps()})"
+                )
+        try:
+            opts = TrainStateRestore(
+                _restore_target(self._template, self._partitioner),
+                restore_dtype=self.restore_dtype,
+                cast=_is_target,
+                transforms=list(fns),
+                fallback_state=None if fallback_state is None else _state_dict(fallback_state),
+                lazy=lazy_parameters,
+            )
+            items: dict[str, Any] = {STATE: opts}
+            if self._dataset_iterator is not None:
+                if not mgr.info(step).items.get(DATASET) or mgr.info(step).items[DATASET].dropped:
+                    raise ItemNotFoundError(
+                        f"step {step} has no dataset iterator (dropped by keep_dataset_checkpoints "
+                        "or never saved); restore it with a Checkpointer without dataset_iterator"
+                    )
+                items[DATASET] = self._dataset_iterator
+            state_dict = mgr.restore(step, items)[STATE]
+        finally:
+            if not own:
+                mgr.close()
+        return _rebuild(self._template, state_dict)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (pending saves first), or None."""
+        self._manager.wait_until_finished()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (pending saves first)."""
+        self._manager.wait_until_finished()
+        return self._manager.all_steps()
+
+    def all_dataset_checkpoint_steps(self) -> list[int]:
+        """Steps that still hold the dataset iterator, ascending."""
+        self._manager.wait_until_finished()
+        return all_dataset_checkpoint_steps(self.checkpoints_dir)
+
+    def wait_until_finished(self) -> None:
+        """Block until pending saves (and the retention after them) are done."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release the directory."""
+        self._manager.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Checkpointer(_T5XCheckpointing):
+    """T5X's Checkpointer: saves a train state (and a dataset iterator) and restores it.
+
+    `train_state` (the template: its structure, shapes, dtypes and placement) is one of: a T5X
+    TrainState (``state_dict()``/``restore_state()``); a flax-style TrainState with ``step``,
+    ``params`` and ``opt_state`` (rebuilt with ``.replace``); or a dict with ``step``, ``params``
+    (or ``target``) and ``opt_state`` (other keys are saved as they are). Arrays may be concrete
+    or ``jax.ShapeDtypeStruct``. `partitioner`: None (restore where the template's arrays are),
+    a pytree of ``jax.sharding.Sharding`` shaped like the train state, ``(mesh, specs)`` with a
+    pytree of PartitionSpecs, or a T5X partitioner (``.mesh`` and ``get_mesh_axes(state)``).
+
+    `keep`: how many steps to keep (None or 0: all). `keep_dataset_checkpoints`: how many steps
+    keep the dataset iterator. `save_dtype`/`restore_dtype` cast the floating params
+    (``target``) only, as T5X. Saves are asynchronous: `save` returns once the state is captured;
+    `restore`, `all_steps`, `latest_step` and `wait_until_finished` wait for pending saves.
+    """
+
+    def __init__(
+        self,
+        train_state: Any,
+        partitioner: Any,
+        checkpoints_dir: PathLike,
+        dataset_iterator: Any = None,
+        *,
+        keep: int | None = None,
+        save_dtype: Any = np.float32,
+        restore_dtype: Any = None,
+        keep_dataset_checkpoints: int | None = None,
+    ) -> None:
+        self.keep = _check_keep(keep, "keep")
+        super().__init__(
+            train_state,
+            partitioner,
+            checkpoints_dir,
+            dataset_iterator,
+            save_policy=EveryNSteps(1),
+            keep=self._keep_policy(),
+            keep_dataset_checkpoints=keep_dataset_checkpoints,
+            save_dtype=save_dtype,
+            restore_dtype=restore_dtype,
+        )
+
+    def _keep_policy(self) -> KeepPolicy:
+        return KeepLatest(self.keep) if self.keep else KeepAll()
+
+    def save(
+        self,
+        train_state: Any,
+        state_transformation_fns: Sequence[Callable[..., Any]] = (),
+        *,
+        concurrent_gb: int = 128,
+    ) -> bool:
+        """Save `train_state` as the step it holds; returns False (and logs) if that step exists.
+
+        `state_transformation_fns` run in order on the state dict before it is captured.
+        `concurrent_gb` is accepted for compatibility: cairn bounds the bytes in flight itself.
+        """
+        if isinstance(concurrent_gb, bool) or not isinstance(concurrent_gb, (int, float)):
+            raise TypeError(f"concurrent_gb must be a number, got {concurrent_gb!r}")
+        if not concurrent_gb > 0:
+            raise ValueError(f"concurrent_gb must be positive, got {concurrent_gb!r}")
+        try:
+            return self._save(train_state, state_transformation_fns, force=True)
+        except StepAlreadyExistsError as e:  # T5X's train loop saves the restored step again
+            log.info("cairn.t5x: skipping the save: %s", e)
+            return False
+
+    def restore(
+        self,
+        step: int | None = None,
+        path: PathLike | None = None,
+        state_transformation_fns: Sequence[Callable[..., Any]] = (),
+        fallback_state: Any = None,
+        lazy_parameters: bool = False,
+    ) -> Any:
+        """Restore the latest step, a given `step`, or the checkpoint at `path` (any directory).
+
+        ValueError if both `step` and `path` are given, if the step or path does not exist, or if
+        there is no checkpoint. `state_transformation_fns` run in order as ``fn(state_dict,
+        target_state_dict)`` on the state read; `fallback_state` supplies what the checkpoint
+        lacks (the union must match the template); `lazy_parameters` returns LazyArrays. The
+        dataset iterator, if given, is restored in place. Returns a train state like the template.
+        """
+        return self._restore(step, path, state_transformation_fns, fallback_state, lazy_parameters)
+
+
+class SaveBestCheckpointer(Checkpointer):
+    """A Checkpointer that keeps the latest step plus the `keep` best by a TensorBoard metric.
+
+    `metric_name_to_monitor` is ``{run}/{tag}``; the events are read from the TensorBoard files in
+    ``<checkpoints_dir>/<run>/`` (all events, scalar or tensor summaries). Steps whose multiple of
+    `force_keep_period` are always kept; steps without a metric yet are kept while
+    `keep_checkpoints_without_metrics` (else deleted first). With `keep` None nothing is deleted.
+    """
+
+    def __init__(
+        self,
+        train_state: Any,
+        partitioner: Any,
+        checkpoints_dir: PathLike,
+        dataset_iterator: Any = None,
+        *,
+        keep: int | None = None,
+        save_dtype: Any = np.float32,
+        restore_dtype: Any = None,
+        metric_name_to_monitor: str = "train/accuracy",
+        metric_mode: str = "max",
+        keep_checkpoints_without_metrics: bool = True,
+        force_keep_period: int | None = None,
+        keep_dataset_checkpoints: int | None = None,
+    ) -> None:
+        if metric_mode not in ("max", "min"):
+            raise ValueError(f"Unsupported `metric_mode`: {metric_mode!r} (use 'max' or 'min')")
+        if not isinstance(metric_name_to_monitor, str) or "/" not in metric_name_to_monitor:
+            raise ValueError(
+                f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {metric_name_to_monitor!r}"
+            )
+        if not isinstance(keep_checkpoints_without_metrics, bool):
+            raise TypeError("keep_checkpoints_without_metrics must be a bool")
+        if force_keep_period is not None:
+            KeepEvery(steps=force_keep_period)  # validates
+        self.metric_name_to_monitor = metric_name_to_monitor
+        self.metric_mode = metric_mode
+        self.keep_checkpoints_without_metrics = keep_checkpoints_without_metrics
+        self.force_keep_period = force_keep_period
+        self._logdir = os.fspath(checkpoints_dir)
+        super().__init__(
+            train_state,
+            partitioner,
+            checkpoints_dir,
+            dataset_iterator,
+            keep=keep,
+            save_dtype=save_dtype,
+            restore_dtype=restore_dtype,
+            keep_dataset_checkpoints=keep_dataset_checkpoints,
+        )
+
+    def _keep_policy(self) -> KeepPolicy:
+        if not self.keep:
+            return KeepAll()
+        return _KeepBestFromEvents(
+            self.keep,
+            self.metric_name_to_monitor,
+            self.metric_mode,  # type: ignore[arg-type]
+            self.keep_checkpoints_without_metrics,
+            self.force_keep_period,
+            self._logdir,
+        )
+
+
+class OrbaxCheckpointManagerInterface(_T5XCheckpointing):
+    """T5X's wrapper of Orbax's CheckpointManager, on cairn; every option takes effect.
+
+    `period` and `checkpoint_steps` decide `should_save` (``step % period == 0`` or a listed step,
+    absolute steps as Orbax); `keep` steps are kept (the best by `metric_name_to_monitor` if given,
+    read from TensorBoard events as SaveBestCheckpointer, else the newest), plus multiples of
+    `force_keep_period`; `keep_dataset_checkpoints` newest steps keep the dataset iterator;
+    `save_dtype`/`restore_dtype` cast the params.
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        train_state: Any,
+        partitioner: Any,
+        dataset_iterator: Any = None,
+        save_dtype: Any = None,
+        restore_dtype: Any = None,
+        keep: int | None = None,
+        period: int = 1,
+        checkpoint_steps: Iterable[int] | None = None,
+        keep_dataset_checkpoints: int | None = None,
+        force_keep_period: int | None = None,
+        metric_name_to_monitor: str | None = None,
+        metric_mode: str = "max",
+        keep_checkpoints_without_metrics: bool = True,
+    ) -> None:
+        save_policy: Any = EveryNSteps(period)
+        if checkpoint_steps is not None:
+            save_policy = AnyOf(save_policy, AtSteps(checkpoint_steps))
+        keep_n = _check_keep(keep, "keep")
+        if metric_mode not in ("max", "min"):
+            raise ValueError(f"Unsupported `metric_mode`: {metric_mode!r} (use 'max' or 'min')")
+        if metric_name_to_monitor is not None and (
+            not isinstance(metric_name_to_monitor, str) or "/" not in metric_name_to_monitor
+        ):
+            raise ValueError(
+                f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {metric_name_to_monitor!r}"
+            )
+        policy: KeepPolicy = KeepAll()
+        if keep_n and metric_name_to_monitor:
+            policy = _KeepBestFromEvents(
+                keep_n,
+                metric_name_to_monitor,
+                metric_mode,  # type: ignore[arg-type]
+                bool(keep_checkpoints_without_metrics),
+                force_keep_period,
+                os.fspath(directory),
+            )
+        elif keep_n:
+            policy = KeepLatest(keep_n)
+            if force_keep_period is not None:
+                policy = AnyOf(policy, KeepEvery(steps=force_keep_period))
+        super().__init__(
+            train_state,
+            partitioner,
+            directory,
+            dataset_iterator,
+            save_policy=save_policy,
+            keep=policy,
+            keep_dataset_checkpoints=keep_dataset_checkpoints,
+            save_dtype=save_dtype,
+            restore_dtype=restore_dtype,
+        )
+
+    @property
+    def directory(self) -> str:
+        return self.checkpoints_dir
+
+    def should_save(self, step: int) -> bool:
+        """Whether `period`/`checkpoint_steps` ask for `step` (False at or below the newest)."""
+        return self._manager.should_save(step)
+
+    def save(
+        self,
+        train_state: Any,
+        state_transformation_fns: Sequence[Callable[..., Any]] = (),
+        force: bool = True,
+    ) -> bool:
+        """Save if `force` or `should_save(step)`; True if a save started. An existing step
+        raises StepAlreadyExistsError, as Orbax (T5X checks all_steps() first)."""
+        return self._save(train_state, state_transformation_fns, force=force)
+
+    def restore(
+        self,
+        step: int | None = None,
+        path: PathLike | None = None,
+        fallback_state: Any = None,
+        state_transformation_fns: Sequence[Callable[..., Any]] = (),
+        lazy_parameters: bool = False,
+    ) -> Any:
+        """Restore a step, a path, or (neither) the latest step; see Checkpointer.restore."""
+        return self._restore(step, path, state_transformation_fns, fallback_state, lazy_parameters)
