@@ -250,6 +250,7 @@ class CheckpointManager:
         self._preemption = (
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
         )
+        self._preemption_asked: int | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -279,11 +280,14 @@ class CheckpointManager:
             known = set(self._steps) | self._inflight
         if step in known or (known and step <= max(known)):
             return False
+        preempted = self._preemption is not None and self._preemption.reached(step)
+        if preempted:
+            self._preemption_asked = step  # reached_preemption(step) may now say stop
         context = SaveContext(
             latest_step=max(known) if known else None,
             last_save_time=self._last_save_time,
             now=time.time(),
-            preempted=self._preemption is not None and self._preemption.reached(step),
+            preempted=preempted,
         )
         if self._procs.count == 1 or not _uses_time(self._save_policy):
             return bool(self._save_policy.should_save(step, context))
@@ -381,13 +385,19 @@ class CheckpointManager:
         """Whether the job was told to stop (needs ``OnPreemption`` in ``save=``): save, then exit.
 
         Typical loop: ``if mgr.should_save(step): mgr.save(...)``, then
-        ``if mgr.reached_preemption(step): break``. With several processes (and no JAX preemption
+        ``if mgr.reached_preemption(step): break``. It turns True at the step whose
+        `should_save` saw the preemption (and saved), so the loop never stops unsaved: a signal
+        that arrives after `should_save(step)` was asked is acted on at the next step. With several processes (and no JAX preemption
         service) the primary decides for everyone, so all stop at the same step.
         """
         step = as_step(step)
         if self._preemption is None:
             return False
-        mine = self._preemption.reached(step)
+        # Stop only after should_save had its chance to save: a signal that arrives between
+        # should_save(step) and this call is acted on at the next step, which saves first.
+        noticed = self._preemption.reached(step)
+        at = self._preemption.reached_at
+        mine = noticed and at is not None and (at < step or self._preemption_asked == step)
         if self._procs.count == 1 or self._preemption.synchronised:
             return mine
         decided = str(mine) if self._procs.primary else None

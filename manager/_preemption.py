@@ -74,6 +74,11 @@ class PreemptionWatch:
         self._watching = True
 
     @property
+    def reached_at(self) -> int | None:
+        """The step at which `reached` first returned True."""
+        return self._reached_at
+
+    @property
     def synchronised(self) -> bool:
         """Whether JAX's sync point decides (the same step on every process)."""
         return self._sync is not None

@@ -70,10 +70,22 @@ def test_other_signals(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, save=OnPreemption(signals=(signal.SIGUSR1,))) as mgr:
         assert signal.getsignal(signal.SIGTERM) is not signal.getsignal(signal.SIGUSR1)
         signal.raise_signal(signal.SIGUSR1)
-        assert mgr.reached_preemption(1)
+        assert mgr.should_save(1) and mgr.reached_preemption(1)
 
 
 @pytest.mark.parametrize("signals", [(), (signal.SIGKILL,), ("TERM",), [15], (True,)])
 def test_bad_signals(signals: object) -> None:
     with pytest.raises(ValueError, match="OnPreemption: signals must be"):
         OnPreemption(signals=signals)  # type: ignore[arg-type]
+
+
+def test_signal_after_should_save_waits_for_the_next_step(tmp_path: Path) -> None:
+    """SIGTERM between should_save(7) (False) and reached_preemption(7): the loop does not stop
+    at 7 unsaved; step 8 saves and then reached_preemption(8) is True."""
+    with CheckpointManager(tmp_path, save=AnyOf(EveryNSteps(100), OnPreemption())) as mgr:
+        assert not mgr.should_save(7)
+        signal.raise_signal(signal.SIGTERM)
+        assert not mgr.reached_preemption(7)
+        assert mgr.should_save(8)
+        mgr.save(8, {"s": [8]})
+        assert mgr.reached_preemption(8) and mgr.all_steps() == [8]

@@ -426,3 +426,16 @@ def test_orbax_style_wrapper_uses_every_option(tmp_path: Path) -> None:
             mgr.save({**state, "step": jnp.array(40, jnp.int32)})
     loaded = checkpoints.load_t5x_checkpoint(tmp_path, step=30)
     assert loaded["target"]["w"].dtype == ml_dtypes.bfloat16  # save_dtype applied to params
+
+
+def test_metrics_written_by_tf_summary(tmp_path: Path) -> None:
+    """T5X writes its metrics with tf.summary (tensor summaries in TF 2): they are read back."""
+    import tensorflow as tf
+
+    writer = tf.summary.create_file_writer(str(tmp_path / "training_eval" / "task"))
+    with writer.as_default():
+        for step in (100, 200):
+            tf.summary.scalar("loss", step / 256, step=step)
+    writer.close()
+    got = checkpoints.populate_metrics_for_steps(tmp_path, "training_eval/task/loss", [100, 200])
+    assert got == {100: 100 / 256, 200: 200 / 256}
