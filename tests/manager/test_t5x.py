@@ -347,7 +347,11 @@ def test_populate_metrics_reads_every_event(tmp_path: Path) -> None:
         tmp_path / "inference_eval" / "glue", "eval/accuracy", {5: 0.5, 6: 0.25}, tensor=True
     )
     got = checkpoints.populate_metrics_for_steps(tmp_path, "train/accuracy", [0, 1000, 2990, 7])
-    assert got == {0: 0.0, 1000: 1000 / 1024, 2990: 2990 / 1024}  # far past TensorBoard's default sampling
+    assert got == {
+        0: 0.0,
+        1000: 1000 / 1024,
+        2990: 2990 / 1024,
+    }  # far past TensorBoard's default sampling
     nested = checkpoints.populate_metrics_for_steps(
         tmp_path, "inference_eval/glue/eval/accuracy", range(10)
     )
