@@ -316,7 +316,10 @@ def load_t5x_checkpoint(
     restore_dtype: Any = None,
     lazy_parameters: bool = False,
 ) -> dict[str, Any]:
-    """Load a checkpoint's train state as a nested dict of NumPy arrays, without an optimizer.
+    """Load a checkpoint's train state as a nested dict, without an optimizer or a template.
+
+    Leaves come back as they were saved: NumPy arrays, or ``jax.Array`` on the default device for
+    leaves saved from ``jax.Array``.
 
     The dict has T5X's layout (``{"target": ..., "state": {"step", "param_states"}}``).
     `state_transformation_fns` run in order as ``fn(state_dict, {})`` when `remap` is True (as
@@ -482,19 +485,33 @@ class _T5XCheckpointing:
         self.restore_dtype = None if restore_dtype is None else np.dtype(restore_dtype)
         ds_keep = _check_keep(keep_dataset_checkpoints, "keep_dataset_checkpoints")
         handler = TrainStateHandler(save_dtype=self.save_dtype, save_dtype_where=_is_target)
-        self._manager = CheckpointManager(
-            self.checkpoints_dir,
-            save=save_policy,
-            keep=keep,
-            keep_items={DATASET: KeepLatest(ds_keep)} if ds_keep else None,
-            handlers={STATE: handler},
-            step_prefix=PREFIX,
+        # checkpoints_dir="" is T5X's restore-only checkpointer: it restores by path, never saves.
+        self._manager = (
+            None
+            if self.checkpoints_dir == ""
+            else CheckpointManager(
+                self.checkpoints_dir,
+                save=save_policy,
+                keep=keep,
+                keep_items={DATASET: KeepLatest(ds_keep)} if ds_keep else None,
+                handlers={STATE: handler},
+                step_prefix=PREFIX,
+            )
         )
 
     @property
     def manager(self) -> CheckpointManager:
         """The CheckpointManager underneath (metrics, info, record_metrics, ...)."""
+        if self._manager is None:
+            raise ValueError(
+                "this checkpointer has checkpoints_dir='': it only restores by path, and saves "
+                "nothing"
+            )
         return self._manager
+
+    def _wait(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def _save(
         self, train_state: Any, state_transformation_fns: Sequence[Callable[..., Any]], force: bool
@@ -505,7 +522,7 @@ class _T5XCheckpointing:
         items: dict[str, Any] = {STATE: state_dict}
         if self._dataset_iterator is not None:
             items[DATASET] = self._dataset_iterator
-        return self._manager.save(step, items, force=force)
+        return self.manager.save(step, items, force=force)
 
     def _restore(
         self,
@@ -520,16 +537,15 @@ class _T5XCheckpointing:
         fns = _check_fns(state_transformation_fns, "state_transformation_fns")
         if not isinstance(lazy_parameters, bool):
             raise TypeError(f"lazy_parameters must be a bool, got {lazy_parameters!r}")
-        self._manager.wait_until_finished()  # pending saves land first
+        self._wait()  # pending saves land first
         mgr, own = self._manager, True
         if path is not None:
-            try:
-                manifest = Path(find_checkpoint(path))
-                parent, step = get_step_from_checkpoint_dir(manifest.parent)
-            except ValueError as e:
-                raise ValueError(f"Path is not a valid checkpoint: {os.fspath(path)} ({e})") from e
-            if Path(parent).resolve() != Path(self.checkpoints_dir).resolve():
+            manifest = Path(find_checkpoint(path))  # ValueError: not a valid checkpoint
+            parent, step = get_step_from_checkpoint_dir(manifest.parent)
+            if mgr is None or Path(parent).resolve() != Path(self.checkpoints_dir).resolve():
                 mgr, own = CheckpointManager(parent, read_only=True), False
+        elif mgr is None:
+            raise ValueError(f"No checkpoints found in {self.checkpoints_dir!r}: give a path.")
         elif step is None:
             step = mgr.latest_step()
             if step is None:
@@ -566,26 +582,27 @@ class _T5XCheckpointing:
 
     def latest_step(self) -> int | None:
         """The newest committed step (pending saves first), or None."""
-        self._manager.wait_until_finished()
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (pending saves first)."""
-        self._manager.wait_until_finished()
-        return self._manager.all_steps()
+        self._wait()
+        return [] if self._manager is None else self._manager.all_steps()
 
     def all_dataset_checkpoint_steps(self) -> list[int]:
         """Steps that still hold the dataset iterator, ascending."""
-        self._manager.wait_until_finished()
-        return all_dataset_checkpoint_steps(self.checkpoints_dir)
+        self._wait()
+        return [] if self._manager is None else all_dataset_checkpoint_steps(self.checkpoints_dir)
 
     def wait_until_finished(self) -> None:
         """Block until pending saves (and the retention after them) are done."""
-        self._manager.wait_until_finished()
+        self._wait()
 
     def close(self) -> None:
         """Finish pending saves and release the directory."""
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.close()
 
     def __enter__(self) -> Any:
         return self
@@ -815,7 +832,7 @@ class OrbaxCheckpointManagerInterface(_T5XCheckpointing):
 
     def should_save(self, step: int) -> bool:
         """Whether `period`/`checkpoint_steps` ask for `step` (False at or below the newest)."""
-        return self._manager.should_save(step)
+        return self.manager.should_save(step)
 
     def save(
         self,

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from treeutil import assert_tree_equal
 
@@ -226,3 +227,25 @@ def test_background_threads_yield_the_cpu_to_training(tmp_path: Path) -> None:
         mgr.wait_until_finished()
     assert seen == [max(caller, 10)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+
+
+def test_a_manager_never_closed_still_commits_at_exit(tmp_path: Path) -> None:
+    """A script that saves and ends without close(): its pending commits land before the
+    interpreter shuts down, although the train-state write starts thread pools of its own."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np\n"
+        "from cairn.manager import CheckpointManager\n"
+        "mgr = CheckpointManager(sys.argv[1])\n"
+        "for step in range(3):\n"
+        "    mgr.save(step, {'x': np.full(1000, step)})\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stderr
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.all_steps() == [0, 1, 2]
+        np.testing.assert_array_equal(mgr.restore()["x"], np.full(1000, 2))

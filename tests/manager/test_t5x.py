@@ -443,3 +443,19 @@ def test_metrics_written_by_tf_summary(tmp_path: Path) -> None:
     writer.close()
     got = checkpoints.populate_metrics_for_steps(tmp_path, "training_eval/task/loss", [100, 200])
     assert got == {100: 100 / 256, 200: 200 / 256}
+
+
+def test_restore_only_checkpointer_with_an_empty_directory(tmp_path: Path) -> None:
+    """T5X restores through a second Checkpointer with checkpoints_dir='': it reads by path, next
+    to the writing one (no directory lock taken), and refuses to save."""
+    with checkpoints.Checkpointer(make_state(0), None, tmp_path) as writer:
+        writer.save(make_state(6, 3.0))
+        writer.wait_until_finished()
+        reader = checkpoints.Checkpointer(make_state(0), None, "")
+        assert_state_equal(reader.restore(path=tmp_path / "checkpoint_6"), make_state(6, 3.0))
+        assert reader.all_steps() == [] and reader.latest_step() is None
+        with pytest.raises(ValueError, match="No checkpoints found in ''"):
+            reader.restore()
+        with pytest.raises(ValueError, match="only restores by path"):
+            reader.save(make_state(7))
+        reader.close()
