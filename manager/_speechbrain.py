@@ -1,0 +1,941 @@
+"""SpeechBrain's recoverables API on top of CheckpointManager (public as cairn.manager.speechbrain).
+
+Names, signatures and documented behaviour follow ``speechbrain.utils.checkpoints``; the
+differences (atomic, verified and optionally asynchronous saves; meta parsed as data; no mutable
+defaults; checkpoints ordered by a sequence number) are in docs/migrating-from-speechbrain.md.
+
+A checkpoint is a cairn step ``CKPT_<sequence>/`` whose manifest holds the meta; each recoverable
+is an item directory holding ``<name>.ckpt`` (written by its save hook, or by cairn's own torch /
+state / pytree savers), so `Checkpoint.paramfiles` point at files that ``torch.load`` and the
+hooks read as in SpeechBrain. Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``) are
+listed, loaded and deleted too, their meta read with ``yaml.safe_load``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import inspect
+import io
+import json
+import logging
+import math
+import os
+import pathlib
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.handlers import FileRecord, StoredItem, register, write_file
+from cairn.handlers._iterators import _decode_value, _encode, has_state_methods
+from cairn.handlers.errors import CorruptCheckpointError
+from cairn.manager._format import TRASH_PREFIX, trash_name
+from cairn.manager._manager import CheckpointManager
+from cairn.manager._validate import check_item_name
+
+__all__ = [
+    "CKPT_PREFIX",
+    "DEFAULT_LOAD_HOOKS",
+    "DEFAULT_SAVE_HOOKS",
+    "DEFAULT_TRANSFER_HOOKS",
+    "METAFNAME",
+    "PARAMFILE_EXT",
+    "Checkpoint",
+    "Checkpointer",
+    "average_checkpoints",
+    "average_state_dicts",
+    "ckpt_recency",
+    "get_default_hook",
+    "mark_as_loader",
+    "mark_as_saver",
+    "mark_as_transfer",
+    "register_checkpoint_hooks",
+    "torch_parameter_transfer",
+    "torch_recovery",
+    "torch_save",
+]
+
+log = logging.getLogger("cairn")
+
+CKPT_PREFIX = "CKPT"
+METAFNAME = f"{CKPT_PREFIX}.yaml"  # the meta file of SpeechBrain's own checkpoints (read only)
+PARAMFILE_EXT = ".ckpt"
+_META_ITEM = "CKPT.meta"  # holds the meta of a checkpoint without recoverables
+_STEP_DIR = re.compile(rf"{CKPT_PREFIX}_(\d+)")
+
+Checkpoint = collections.namedtuple("Checkpoint", ["path", "meta", "paramfiles"])
+Checkpoint.__doc__ = """One saved checkpoint: `path` (pathlib.Path of its directory), `meta` (a dict;
+"unixtime" and "end-of-epoch" always, plus what was given to save) and `paramfiles` (recoverable
+name -> pathlib.Path of its saved file). Hashed by path, so checkpoints make sets."""
+Checkpoint.__hash__ = lambda self: hash(self[0])  # type: ignore[method-assign]
+
+
+def ckpt_recency(ckpt: Checkpoint) -> tuple[int, float]:
+    """Recency as an importance key: the save sequence number, then the save time.
+
+    cairn numbers its checkpoints in save order, so two saves within one clock tick, or a clock
+    that stepped back, still sort right. SpeechBrain's own checkpoints (no number) sort before
+    cairn's, by their "unixtime".
+    """
+    match = _STEP_DIR.fullmatch(pathlib.Path(ckpt.path).name)
+    return (int(match.group(1)) if match else -1, float(ckpt.meta["unixtime"]))
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def _state_dict_on_cpu(obj: Any) -> Any:
+    """A copy of ``obj.state_dict()`` whose tensors are detached CPU copies (a snapshot)."""
+    import torch
+
+    def copy_value(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return type(value)((k, copy_value(v)) for k, v in value.items())
+        if isinstance(value, list):
+            return [copy_value(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(copy_value(v) for v in value)
+        return copy.deepcopy(value)
+
+    return copy_value(obj.state_dict())
+
+
+def torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Default save hook of torch modules, optimizers, schedulers, grad scalers: the state_dict.
+
+    Inside a cairn Checkpointer this hook is not called as such: the state_dict is copied to the
+    CPU inside save_checkpoint and written with ``torch.save`` on the commit thread.
+    """
+    import torch
+
+    state_dict = obj.state_dict()
+    if not state_dict:
+        log.warning("cairn.speechbrain: saving an empty state_dict for %r in %s", obj, path)
+    torch.save(state_dict, path)
+
+
+def _load_state_dict(path: str | os.PathLike[str]) -> Any:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)  # data only: no pickled code
+
+
+def torch_recovery(obj: Any, path: str | os.PathLike[str], end_of_epoch: bool) -> None:
+    """Default load hook of torch objects: ``load_state_dict`` of the file (strict when it can)."""
+    del end_of_epoch
+    state_dict = _load_state_dict(path)
+    try:
+        obj.load_state_dict(state_dict, strict=True)
+    except TypeError:  # optimizers and schedulers take no `strict`
+        obj.load_state_dict(state_dict)
+
+
+def torch_parameter_transfer(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Non-strict load of a module's parameters; missing and unexpected keys are logged."""
+    incompatible = obj.load_state_dict(_load_state_dict(path), strict=False)
+    for key in incompatible.missing_keys:
+        log.warning("parameter transfer to %r from %s: no parameters for %r", obj, path, key)
+    for key in incompatible.unexpected_keys:
+        log.warning("parameter transfer to %r from %s: %r is not used", obj, path, key)
+
+
+_TORCH_DEFAULTS: dict[
+    str, dict[str, Callable[..., Any]]
+] = {  # class names, so that torch is imported only by programs that use it
+    "save": {
+        "torch.nn.Module": torch_save,
+        "torch.optim.Optimizer": torch_save,
+        "torch.optim.lr_scheduler.LRScheduler": torch_save,
+        "torch.optim.lr_scheduler.ReduceLROnPlateau": torch_save,
+        "torch.amp.grad_scaler.GradScaler": torch_save,
+    },
+    "load": {
+        "torch.nn.Module": torch_recovery,
+        "torch.optim.Optimizer": torch_recovery,
+        "torch.optim.lr_scheduler.LRScheduler": torch_recovery,
+        "torch.optim.lr_scheduler.ReduceLROnPlateau": torch_recovery,
+        "torch.amp.grad_scaler.GradScaler": torch_recovery,
+    },
+    "transfer": {"torch.nn.Module": torch_parameter_transfer},
+}
+
+
+class _DefaultHooks(dict[type, Callable[..., Any]]):
+    """class -> hook. The torch classes are added the first time the dict is used after torch
+    was imported (a program with torch objects has imported it), so importing cairn never
+    imports torch; entries the program sets itself are never replaced."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self._kind = kind
+        self._filled = False
+
+    def _fill(self) -> None:
+        if self._filled or "torch" not in sys.modules:
+            return
+        self._filled = True
+        import importlib
+
+        for dotted, hook in _TORCH_DEFAULTS[self._kind].items():
+            module, _, name = dotted.rpartition(".")
+            with contextlib.suppress(ImportError, AttributeError):
+                cls = getattr(importlib.import_module(module), name)
+                super().setdefault(cls, hook)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._fill()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._fill()
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._fill()
+        return super().get(key, default)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._fill()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._fill()
+        return super().__len__()
+
+    def items(self) -> Any:
+        self._fill()
+        return super().items()
+
+    def keys(self) -> Any:
+        self._fill()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._fill()
+        return super().values()
+
+
+DEFAULT_SAVE_HOOKS: dict[type, Callable[..., Any]] = _DefaultHooks("save")
+DEFAULT_LOAD_HOOKS: dict[type, Callable[..., Any]] = _DefaultHooks("load")
+DEFAULT_TRANSFER_HOOKS: dict[type, Callable[..., Any]] = _DefaultHooks("transfer")
+
+
+def _check_signature(method: Any, args: tuple[Any, ...], message: str) -> None:
+    try:
+        inspect.signature(method).bind(*args)
+    except TypeError:
+        raise TypeError(message) from None
+
+
+def mark_as_saver(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a method ``(self, path)`` as its class's save hook (with @register_checkpoint_hooks)."""
+    _check_signature(
+        method,
+        (object(), pathlib.Path("testpath")),
+        "Checkpoint saver must match signature (instance, path)",
+    )
+    method._speechbrain_saver = True  # type: ignore[attr-defined]
+    return method
+
+
+def mark_as_loader(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a method ``(self, path, end_of_epoch)`` as its class's load hook."""
+    _check_signature(
+        method,
+        (object(), pathlib.Path("testpath"), True),
+        "Checkpoint loader must have signature (self, path, end_of_epoch)",
+    )
+    method._speechbrain_loader = True  # type: ignore[attr-defined]
+    return method
+
+
+def mark_as_transfer(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a method ``(self, path)`` as its class's parameter-transfer hook."""
+    _check_signature(
+        method,
+        (object(), pathlib.Path("testpath")),
+        "Transfer hook must have signature (self, path)",
+    )
+    method._speechbrain_transfer = True  # type: ignore[attr-defined]
+    return method
+
+
+def register_checkpoint_hooks(cls: type, save_on_main_only: bool = True) -> type:
+    """Class decorator: make the methods marked with mark_as_saver/loader/transfer the class's
+    default hooks (found through the MRO, so subclasses get them too).
+
+    `save_on_main_only` is accepted for compatibility; cairn's savers run where save is called.
+    """
+    del save_on_main_only
+    for method in cls.__dict__.values():
+        if getattr(method, "_speechbrain_saver", False):
+            DEFAULT_SAVE_HOOKS[cls] = method
+        if getattr(method, "_speechbrain_loader", False):
+            DEFAULT_LOAD_HOOKS[cls] = method
+        if getattr(method, "_speechbrain_transfer", False):
+            DEFAULT_TRANSFER_HOOKS[cls] = method
+    return cls
+
+
+def get_default_hook(obj: Any, default_hooks: Mapping[type, Callable[..., Any]]) -> Any:
+    """The hook registered for `obj`'s class or the nearest base class (MRO), or None."""
+    for cls in inspect.getmro(type(obj)):
+        if cls in default_hooks:
+            return default_hooks[cls]
+    return None
+
+
+# ---------------------------------------------------------------------------- cairn's savers
+
+
+def _is_pytree(obj: Any) -> bool:
+    if isinstance(obj, (dict, list, np.ndarray)):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(obj, jax.Array)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recoverable:
+    """One recoverable as save_checkpoint hands it to the manager."""
+
+    name: str
+    obj: Any
+    kind: str  # "torch" | "state" | "hook"
+    hook: Callable[..., Any] | None
+    staging: pathlib.Path
+
+
+class _Written:
+    """The snapshot of a recoverable: bytes to write as ``<name>.ckpt``, or a file a hook wrote."""
+
+    def __init__(self, name: str, data: Any = None, staged: pathlib.Path | None = None) -> None:
+        self._name, self._data, self._staged = name, data, staged
+
+    def write(self, directory: pathlib.Path) -> Sequence[FileRecord]:
+        target = f"{self._name}{PARAMFILE_EXT}"
+        if self._staged is None:
+            data = self._data
+            if not isinstance(data, bytes):  # a state_dict: serialised here, off the caller
+                import torch
+
+                buffer = io.BytesIO()
+                torch.save(data, buffer)
+                data = buffer.getvalue()
+            return [write_file(directory, target, data)]
+        os.replace(self._staged, directory / target)
+        with contextlib.suppress(OSError):
+            self._staged.parent.rmdir()  # the hook's own staging directory, now empty
+        path = directory / target
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return [  # a hook's own file: its checksum can only be computed by reading it back
+            FileRecord(
+                p.relative_to(directory).as_posix(),
+                p.stat().st_size,
+                _crc32c_of(p),
+            )
+            for p in files
+        ]
+
+
+def _crc32c_of(path: pathlib.Path) -> int:
+    import crc32c
+
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = crc32c.crc32c(chunk, crc)
+    return crc
+
+
+class _RecoverableHandler:
+    """Writes one SpeechBrain recoverable as ``<name>.ckpt`` (the manager's handler for them)."""
+
+    id = "cairn.speechbrain"
+    version = 1
+
+    def snapshot(self, rec: _Recoverable) -> _Written:
+        if rec.kind == "torch":
+            return _Written(rec.name, _state_dict_on_cpu(rec.obj))
+        if rec.kind == "state":
+            getter = "get_state" if callable(getattr(rec.obj, "get_state", None)) else "state_dict"
+            state = _encode(getattr(rec.obj, getter)(), "")
+            return _Written(rec.name, json.dumps({"state": state}, allow_nan=False).encode())
+        assert rec.hook is not None
+        rec.staging.mkdir(parents=True)
+        path = rec.staging / f"{rec.name}{PARAMFILE_EXT}"
+        rec.hook(rec.obj, path)  # the hook writes the object's file now, on the caller thread
+        others = sorted(p.name for p in rec.staging.iterdir() if p != path)
+        if not path.exists() or others:
+            raise RuntimeError(
+                f"the save hook of {rec.name!r} ({rec.hook!r}) must write exactly the path it is "
+                f"given ({path.name}); it wrote {others or 'nothing'}"
+            )
+        return _Written(rec.name, staged=path)
+
+    def restore(self, stored: StoredItem, target: Any = None) -> Any:
+        del target
+        for relpath in stored.files:
+            stored.read_bytes(relpath)  # verified
+        return stored.directory / f"{stored.name}{PARAMFILE_EXT}"
+
+    def describe(self, stored: StoredItem) -> dict[str, Any]:
+        return {"kind": "speechbrain", "bytes": sum(r.size for r in stored.files.values())}
+
+
+_HANDLER = _RecoverableHandler()
+register(_HANDLER, _Recoverable)
+
+
+def _state_load(obj: Any, path: pathlib.Path, end_of_epoch: bool) -> None:
+    del end_of_epoch
+    try:
+        state = _decode_value(json.loads(pathlib.Path(path).read_bytes())["state"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{path}: the saved state does not parse: {e}") from None
+    setter = "set_state" if callable(getattr(obj, "set_state", None)) else "load_state_dict"
+    getattr(obj, setter)(state)
+
+
+def _assign(obj: Any, value: Any, where: str) -> None:
+    """Put `value` into the mutable pytree `obj` in place (dicts, lists, NumPy arrays)."""
+    if isinstance(obj, dict) and isinstance(value, Mapping):
+        for key in list(obj):
+            if key not in value:
+                del obj[key]
+        for key, v in value.items():
+            if key in obj and isinstance(obj[key], (dict, list, np.ndarray)):
+                _assign(obj[key], v, f"{where}[{key!r}]")
+            else:
+                obj[key] = v
+    elif isinstance(obj, list) and isinstance(value, (list, tuple)):
+        obj[:] = list(value)
+    elif isinstance(obj, np.ndarray) and obj.shape == np.shape(value):
+        obj[...] = value
+    else:
+        raise TypeError(
+            f"{where}: a {type(obj).__qualname__} cannot be restored in place; give recoverables "
+            "that are mutable containers (a dict of arrays, a list, a NumPy array)"
+        )
+
+
+# ---------------------------------------------------------------------------- the Checkpointer
+
+
+class Checkpointer:
+    """SpeechBrain's Checkpointer: saves named recoverables together and recovers them.
+
+    Every save is one cairn step: written completely, then committed atomically (a crash leaves
+    the previous checkpoints and no partial one), with checksums verified on load. With
+    ``async_save=True`` the files are written and committed in the background: save_checkpoint
+    returns after the objects' state is captured (torch state_dicts are copied to the CPU; custom
+    hooks still run at once), and listing, loading and deleting wait for pending saves.
+
+    Recoverables are saved, in order of preference, by a custom save hook, a default hook for
+    their class (DEFAULT_SAVE_HOOKS, @register_checkpoint_hooks; torch modules, optimizers,
+    schedulers and grad scalers by default), ``get_state()``/``set_state()`` or
+    ``state_dict()``/``load_state_dict()`` (kept as JSON with arrays and bytes), or, for dicts,
+    lists and NumPy arrays of a JAX/NumPy pytree, cairn's train-state handler (restored in place).
+    Recoverable names become item names: letters, digits, ``_``, ``-`` and ``.``.
+    """
+
+    def __init__(
+        self,
+        checkpoints_dir: str | os.PathLike[str],
+        recoverables: Mapping[str, Any] | None = None,
+        custom_load_hooks: Mapping[str, Callable[..., Any]] | None = None,
+        custom_save_hooks: Mapping[str, Callable[..., Any]] | None = None,
+        allow_partial_load: bool = False,
+        *,
+        async_save: bool = False,
+    ) -> None:
+        if not isinstance(allow_partial_load, bool):
+            raise TypeError(f"allow_partial_load must be a bool, got {allow_partial_load!r}")
+        self.checkpoints_dir = pathlib.Path(checkpoints_dir)
+        self.recoverables: dict[str, Any] = {}
+        self.optional_recoverables: dict[str, bool] = {}
+        self.custom_load_hooks: dict[str, Callable[..., Any]] = {}
+        self.custom_save_hooks: dict[str, Callable[..., Any]] = {}
+        for hooks, into in (
+            (custom_load_hooks, self.custom_load_hooks),
+            (custom_save_hooks, self.custom_save_hooks),
+        ):
+            if hooks is not None:
+                into.update(_check_hooks(hooks))
+        if recoverables is not None:
+            self.add_recoverables(recoverables)
+        self.allow_partial_load = allow_partial_load
+        self._manager = CheckpointManager(
+            self.checkpoints_dir, step_prefix=CKPT_PREFIX, async_save=async_save
+        )
+        latest = self._manager.latest_step()
+        self._next = 0 if latest is None else latest + 1  # checkpoints are numbered in order
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The CheckpointManager underneath."""
+        return self._manager
+
+    def add_recoverable(
+        self,
+        name: str,
+        obj: Any,
+        custom_load_hook: Callable[..., Any] | None = None,
+        custom_save_hook: Callable[..., Any] | None = None,
+        optional_load: bool = False,
+    ) -> None:
+        """Register `obj` under `name`, with optional hooks; `optional_load`: a checkpoint that
+        lacks it still loads (with a warning)."""
+        check_item_name(name)
+        if name == _META_ITEM:
+            raise ValueError(f"{_META_ITEM!r} is reserved")
+        self.recoverables[name] = obj
+        self.optional_recoverables[name] = bool(optional_load)
+        if custom_load_hook is not None:
+            self.custom_load_hooks[name] = _check_hooks({name: custom_load_hook})[name]
+        if custom_save_hook is not None:
+            self.custom_save_hooks[name] = _check_hooks({name: custom_save_hook})[name]
+
+    def add_recoverables(self, recoverables: Mapping[str, Any]) -> None:
+        """Register several recoverables from a mapping of name to object."""
+        if not isinstance(recoverables, Mapping):
+            raise AttributeError(
+                f"Checkpointer needs a mapping (e.g. dict), got {recoverables!r} instead."
+            )
+        for name, obj in recoverables.items():
+            self.add_recoverable(name, obj)
+
+    # ------------------------------------------------------------------ saving
+
+    def _plan(self, name: str, obj: Any) -> Any:
+        """What the manager saves for one recoverable (a _Recoverable, or the pytree itself)."""
+        hook = self.custom_save_hooks.get(name) or get_default_hook(obj, DEFAULT_SAVE_HOOKS)
+        # A hook writes into its own directory beside the steps, named as trash so that a crash
+        # leaves nothing the next start does not remove; the commit moves the file into the step.
+        staging = self.checkpoints_dir / trash_name(f"staging-{name}")
+        if hook is torch_save:
+            return _Recoverable(name, obj, "torch", None, staging)
+        if hook is not None:
+            return _Recoverable(name, obj, "hook", hook, staging)
+        if has_state_methods(obj):
+            return _Recoverable(name, obj, "state", None, staging)
+        if _is_pytree(obj):
+            return obj
+        raise RuntimeError(
+            f"Don't know how to save {type(obj)}. Register default hook or add custom hook for "
+            "this object."
+        )
+
+    def save_checkpoint(
+        self,
+        meta: Mapping[str, Any] | None = None,
+        end_of_epoch: bool = True,
+        name: str | None = None,
+        verbosity: int = logging.INFO,
+    ) -> Checkpoint:
+        """Save every recoverable as one checkpoint; returns its Checkpoint(path, meta, paramfiles).
+
+        `meta` (JSON data; NumPy/torch scalars are converted) is stored with "unixtime" and
+        "end-of-epoch"; its numbers are also the step's metrics. `name` is kept in the meta as
+        "name" (the directory is ``CKPT_<sequence>``).
+        """
+        full_meta: dict[str, Any] = {"unixtime": time.time(), "end-of-epoch": bool(end_of_epoch)}
+        full_meta.update(_check_meta(meta))
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name must be a non-empty str, got {name!r}")
+            full_meta["name"] = name
+        step = self._next
+        items: dict[str, Any] = {}
+        try:
+            for rec_name, obj in self.recoverables.items():
+                items[rec_name] = self._plan(rec_name, obj)
+            if not items:
+                items[_META_ITEM] = {"meta": json.dumps(full_meta)}
+            metrics = {
+                k: float(v)
+                for k, v in full_meta.items()
+                if k not in ("unixtime", "end-of-epoch")
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+            }
+            self._manager.save(
+                step, items, metrics=metrics, metadata={"meta": full_meta}, force=True
+            )
+        except BaseException:
+            for item in items.values():
+                if isinstance(item, _Recoverable) and item.kind == "hook":
+                    shutil.rmtree(item.staging, ignore_errors=True)
+            raise
+        self._next = step + 1
+        path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
+        kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
+        log.log(verbosity, "cairn.speechbrain: saved an %s checkpoint in %s", kind, path)
+        return Checkpoint(path, full_meta, self._paramfiles(path, items))
+
+    @staticmethod
+    def _paramfiles(path: pathlib.Path, items: Mapping[str, Any]) -> dict[str, pathlib.Path]:
+        return {
+            n: path / n / f"{n}{PARAMFILE_EXT}" if isinstance(v, _Recoverable) else path / n
+            for n, v in items.items()
+            if n != _META_ITEM
+        }
+
+    def save_and_keep_only(
+        self,
+        meta: Mapping[str, Any] | None = None,
+        end_of_epoch: bool = True,
+        name: str | None = None,
+        num_to_keep: int = 1,
+        keep_recent: bool = True,
+        importance_keys: Sequence[Callable[[Checkpoint], Any]] | None = None,
+        max_keys: Sequence[str] | None = None,
+        min_keys: Sequence[str] | None = None,
+        ckpt_predicate: Callable[[Checkpoint], bool] | None = None,
+        verbosity: int = logging.INFO,
+    ) -> None:
+        """save_checkpoint, then delete_checkpoints: keep `num_to_keep` per importance order
+        (the most recent ones too when `keep_recent`)."""
+        self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch, name=name, verbosity=verbosity)
+        keys = list(importance_keys or [])
+        if keep_recent:
+            keys.append(ckpt_recency)
+        self.delete_checkpoints(
+            num_to_keep=num_to_keep,
+            max_keys=max_keys,
+            min_keys=min_keys,
+            importance_keys=keys,
+            ckpt_predicate=ckpt_predicate,
+            verbosity=verbosity,
+        )
+
+    # ------------------------------------------------------------------ finding
+
+    def list_checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint in the directory (pending saves first): cairn's and SpeechBrain's."""
+        self._manager.wait_until_finished()
+        found = []
+        for step in self._manager.all_steps():
+            try:
+                info = self._manager.info(step)
+            except CorruptCheckpointError as e:
+                log.warning("cairn.speechbrain: skipping a damaged checkpoint: %s", e)
+                continue
+            path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
+            meta = dict(info.metadata.get("meta", {}))
+            paramfiles = {
+                n: path / n / f"{n}{PARAMFILE_EXT}" if item.handler == _HANDLER.id else path / n
+                for n, item in info.items.items()
+                if n != _META_ITEM and not item.dropped
+            }
+            found.append(Checkpoint(path, meta, paramfiles))
+        return found + _speechbrain_checkpoints(self.checkpoints_dir)
+
+    def find_checkpoints(
+        self,
+        importance_key: Callable[[Checkpoint], Any] | None = None,
+        max_key: str | None = None,
+        min_key: str | None = None,
+        ckpt_predicate: Callable[[Checkpoint], bool] | None = None,
+        max_num_checkpoints: int | None = None,
+    ) -> list[Checkpoint]:
+        """Checkpoints ranked by importance, most important first (default: most recent first).
+
+        At most one of `importance_key` (higher is better), `max_key` or `min_key` (a meta key;
+        only checkpoints that have it count); `ckpt_predicate` filters first.
+        """
+        if sum(k is not None for k in (importance_key, max_key, min_key)) > 1:
+            raise ValueError("Must specify only one of 'importance_key', 'max_key', and 'min_key'.")
+        predicate = ckpt_predicate
+        key: Callable[[Checkpoint], Any] = importance_key or ckpt_recency
+        if max_key is not None or min_key is not None:
+            meta_key = max_key if max_key is not None else min_key
+            sign = 1.0 if max_key is not None else -1.0
+
+            def key(ckpt: Checkpoint) -> Any:
+                return sign * ckpt.meta[meta_key]
+
+            def predicate(ckpt: Checkpoint, user: Any = ckpt_predicate) -> bool:
+                value = ckpt.meta.get(meta_key)
+                has = isinstance(value, (int, float)) and not math.isnan(value)
+                return has and (user is None or bool(user(ckpt)))
+
+        ckpts = [c for c in self.list_checkpoints() if predicate is None or predicate(c)]
+        ckpts.sort(key=ckpt_recency, reverse=True)  # equal importance: the newer first
+        ranked = sorted(ckpts, key=key, reverse=True)
+        return ranked if max_num_checkpoints is None else ranked[:max_num_checkpoints]
+
+    def find_checkpoint(
+        self,
+        importance_key: Callable[[Checkpoint], Any] | None = None,
+        max_key: str | None = None,
+        min_key: str | None = None,
+        ckpt_predicate: Callable[[Checkpoint], bool] | None = None,
+    ) -> Checkpoint | None:
+        """The most important checkpoint (see find_checkpoints), or None."""
+        found = self.find_checkpoints(importance_key, max_key, min_key, ckpt_predicate, 1)
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------ loading
+
+    def recover_if_possible(
+        self,
+        importance_key: Callable[[Checkpoint], Any] | None = None,
+        max_key: str | None = None,
+        min_key: str | None = None,
+        ckpt_predicate: Callable[[Checkpoint], bool] | None = None,
+    ) -> Checkpoint | None:
+        """Load the most important checkpoint if there is one; returns it (or None)."""
+        chosen = self.find_checkpoint(importance_key, max_key, min_key, ckpt_predicate)
+        if chosen is None:
+            log.info("cairn.speechbrain: would load a checkpoint here, but none found yet")
+        else:
+            self.load_checkpoint(chosen)
+        return chosen
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Load every recoverable from `checkpoint`, through its load hook.
+
+        A recoverable without a file there raises RuntimeError, unless `allow_partial_load` or
+        its `optional_load` (then a warning). cairn checkpoints are verified against their
+        checksums before any hook reads them (CorruptCheckpointError names the file).
+        """
+        log.info("cairn.speechbrain: loading a checkpoint from %s", checkpoint.path)
+        end_of_epoch = checkpoint.meta["end-of-epoch"]
+        step = self._step_of(checkpoint)
+        for name, obj in self.recoverables.items():
+            path = checkpoint.paramfiles.get(name)
+            if path is None:
+                if self.allow_partial_load:
+                    continue
+                message = (
+                    f"Loading checkpoint from {checkpoint.path}, but missing a load path for {name}"
+                )
+                if "dataloader" in name or self.optional_recoverables.get(name):
+                    warnings.warn(f"{message}. Skipping it.", UserWarning, stacklevel=2)
+                    continue
+                raise RuntimeError(message)
+            if step is not None and pathlib.Path(path).is_dir():  # a pytree item
+                restored = self._manager.restore(step, {name: None})[name]
+                _assign(obj, restored, name)
+                continue
+            if step is not None:
+                self._manager.restore(step, {name: None})  # verifies the files
+            hook = self.custom_load_hooks.get(name) or get_default_hook(obj, DEFAULT_LOAD_HOOKS)
+            if hook is None and has_state_methods(obj):
+                hook = _state_load
+            if hook is None:
+                raise RuntimeError(
+                    f"Don't know how to load {type(obj)}. Register default hook or add custom "
+                    "hook for this object."
+                )
+            hook(obj, path, end_of_epoch)
+
+    def _step_of(self, checkpoint: Checkpoint) -> int | None:
+        path = pathlib.Path(checkpoint.path)
+        match = _STEP_DIR.fullmatch(path.name)
+        return int(match.group(1)) if match and path.parent == self.checkpoints_dir else None
+
+    # ------------------------------------------------------------------ deleting
+
+    def delete_checkpoints(
+        self,
+        *,
+        num_to_keep: int = 1,
+        min_keys: Sequence[str] | None = None,
+        max_keys: Sequence[str] | None = None,
+        importance_keys: Sequence[Callable[[Checkpoint], Any]] | None = None,
+        ckpt_predicate: Callable[[Checkpoint], bool] | None = None,
+        verbosity: int = logging.INFO,
+    ) -> None:
+        """Delete all but the `num_to_keep` most important checkpoints of each importance order.
+
+        Orders: each of `min_keys`, `max_keys` (meta keys) and `importance_keys` (default: the
+        most recent). Only checkpoints that pass `ckpt_predicate` (and have the key) may be
+        deleted. A deletion is atomic: the directory is renamed away first.
+        """
+        if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 0:
+            raise ValueError("Number of checkpoints to keep must be positive.")
+        orders: list[dict[str, Any]] = [{"min_key": k} for k in min_keys or []]
+        orders += [{"max_key": k} for k in max_keys or []]
+        orders += [
+            {"importance_key": k}
+            for k in (importance_keys if importance_keys is not None else [ckpt_recency])
+        ]
+        candidates: set[Checkpoint] = set()
+        protected: set[Checkpoint] = set()
+        for order in orders:
+            ranked = self.find_checkpoints(ckpt_predicate=ckpt_predicate, **order)
+            candidates.update(ranked)
+            protected.update(ranked[:num_to_keep])
+        for ckpt in sorted(candidates - protected, key=ckpt_recency):
+            self._delete(ckpt)
+            log.log(verbosity, "cairn.speechbrain: deleted checkpoint %s", ckpt.path)
+
+    def _delete(self, checkpoint: Checkpoint) -> None:
+        step = self._step_of(checkpoint)
+        if step is not None:
+            self._manager.delete(step)
+            return
+        path = pathlib.Path(checkpoint.path)
+        if not _is_speechbrain_dir(path):
+            raise RuntimeError("Checkpoint does not appear valid for deletion.")
+        trash = path.parent / trash_name(path.name)
+        os.rename(path, trash)  # gone at once for every reader; then freed
+        shutil.rmtree(trash)
+
+    def close(self) -> None:
+        """Finish pending saves and release the directory."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_hooks(hooks: Mapping[str, Any]) -> dict[str, Callable[..., Any]]:
+    if not isinstance(hooks, Mapping):
+        raise TypeError(f"hooks must be a mapping of recoverable name to function, got {hooks!r}")
+    for name, hook in hooks.items():
+        if not callable(hook):
+            raise TypeError(f"the hook for {name!r} is not callable: {hook!r}")
+    return dict(hooks)
+
+
+def _check_meta(meta: Any) -> dict[str, Any]:
+    """Meta as JSON data; 0-d NumPy/torch values become Python numbers."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping) or not all(isinstance(k, str) for k in meta):
+        raise TypeError(f"meta must be a mapping with str keys, got {meta!r}")
+    out = {}
+    for key, value in meta.items():
+        if key in ("unixtime", "end-of-epoch"):
+            raise ValueError(f"meta key {key!r} is set by the checkpointer")
+        if (
+            isinstance(value, np.generic)
+            or (isinstance(value, np.ndarray) and value.ndim == 0)
+            or (type(value).__module__.startswith("torch") and getattr(value, "ndim", None) == 0)
+        ):
+            value = value.item()
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"meta[{key!r}] is a {type(value).__qualname__}, not JSON data"
+            ) from None
+        out[key] = value
+    return out
+
+
+def _is_speechbrain_dir(path: pathlib.Path) -> bool:
+    return (
+        path.is_dir() and path.name.startswith(f"{CKPT_PREFIX}+") and (path / METAFNAME).is_file()
+    )
+
+
+def _speechbrain_checkpoints(root: pathlib.Path) -> list[Checkpoint]:
+    """Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``), meta parsed as data."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for path in sorted(root.iterdir()):
+            if path.name.startswith(TRASH_PREFIX) or not _is_speechbrain_dir(path):
+                continue
+            import yaml
+
+            try:
+                meta = yaml.safe_load((path / METAFNAME).read_text(encoding="utf-8"))
+            except yaml.YAMLError as e:
+                log.warning("cairn.speechbrain: skipping %s, its meta does not parse: %s", path, e)
+                continue
+            if not isinstance(meta, dict) or "unixtime" not in meta:
+                log.warning("cairn.speechbrain: skipping %s: no unixtime in its meta", path)
+                continue
+            paramfiles = {p.stem: p for p in path.iterdir() if p.suffix == PARAMFILE_EXT}
+            found.append(Checkpoint(path, meta, paramfiles))
+    return found
+
+
+# ---------------------------------------------------------------------------- averaging
+
+
+def average_state_dicts(state_dicts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The average of state dicts (mappings of arrays or tensors), reading one at a time: at
+    most the running sum and one more are in memory."""
+    iterator = iter(state_dicts)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        raise ValueError("No state dicts to average.") from None
+    total = {k: _as_float(v, copy=True) for k, v in first.items()}
+    count = 1
+    for state in iterator:
+        if set(state) != set(total):
+            raise ValueError(
+                f"state dict {count} has keys {sorted(state)}, the first has {sorted(total)}"
+            )
+        for key, value in state.items():
+            total[key] += _as_float(value, copy=False)
+        count += 1
+    return {k: v / count for k, v in total.items()}
+
+
+def _as_float(value: Any, *, copy: bool) -> Any:
+    if "torch" in sys.modules:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            value = value if value.is_floating_point() else value.double()
+            return value.clone() if copy else value
+    array = np.asarray(value)
+    if array.dtype.kind not in "fc":
+        array = array.astype(np.float64)
+    return array.copy() if copy else array
+
+
+def _default_loader(path: Any, map_location: str = "cpu") -> Any:
+    path = pathlib.Path(path)
+    if path.is_dir():  # a pytree recoverable of a cairn checkpoint
+        root, step_dir = path.parent.parent, path.parent
+        match = _STEP_DIR.fullmatch(step_dir.name)
+        if match is None:
+            raise ValueError(f"{path} is not a recoverable of a cairn checkpoint")
+        with CheckpointManager(root, read_only=True, step_prefix=CKPT_PREFIX) as mgr:
+            return mgr.restore(int(match.group(1)), {path.name: None})[path.name]
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def average_checkpoints(
+    checkpoint_list: Sequence[Checkpoint],
+    recoverable_name: str,
+    parameter_loader: Callable[..., Any] | None = None,
+    averager: Callable[[Iterator[Any]], Any] | None = None,
+) -> Any:
+    """Average one recoverable's parameters over checkpoints, loading them one at a time.
+
+    `parameter_loader(path, map_location="cpu")` loads one paramfile (default: ``torch.load``
+    with ``weights_only=True``, or cairn's pytree reader); `averager` gets an iterator over the
+    loaded values (default: `average_state_dicts`).
+    """
+    loader = parameter_loader or _default_loader
+    average = averager or average_state_dicts
+    missing = [c.path for c in checkpoint_list if recoverable_name not in c.paramfiles]
+    if missing:
+        raise KeyError(f"{recoverable_name!r} is not saved in checkpoints {missing}")
+    loaded = (loader(c.paramfiles[recoverable_name], map_location="cpu") for c in checkpoint_list)
+    return average(loaded)

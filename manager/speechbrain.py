@@ -1,0 +1,48 @@
+"""SpeechBrain's recoverables API on cairn: change
+``from speechbrain.utils.checkpoints import ...`` to ``from cairn.manager.speechbrain import ...``
+(docs/migrating-from-speechbrain.md).
+"""
+
+from cairn.manager._speechbrain import (
+    CKPT_PREFIX,
+    DEFAULT_LOAD_HOOKS,
+    DEFAULT_SAVE_HOOKS,
+    DEFAULT_TRANSFER_HOOKS,
+    METAFNAME,
+    PARAMFILE_EXT,
+    Checkpoint,
+    Checkpointer,
+    average_checkpoints,
+    average_state_dicts,
+    ckpt_recency,
+    get_default_hook,
+    mark_as_loader,
+    mark_as_saver,
+    mark_as_transfer,
+    register_checkpoint_hooks,
+    torch_parameter_transfer,
+    torch_recovery,
+    torch_save,
+)
+
+__all__ = [
+    "CKPT_PREFIX",
+    "DEFAULT_LOAD_HOOKS",
+    "DEFAULT_SAVE_HOOKS",
+    "DEFAULT_TRANSFER_HOOKS",
+    "METAFNAME",
+    "PARAMFILE_EXT",
+    "Checkpoint",
+    "Checkpointer",
+    "average_checkpoints",
+    "average_state_dicts",
+    "ckpt_recency",
+    "get_default_hook",
+    "mark_as_loader",
+    "mark_as_saver",
+    "mark_as_transfer",
+    "register_checkpoint_hooks",
+    "torch_parameter_transfer",
+    "torch_recovery",
+    "torch_save",
+]
