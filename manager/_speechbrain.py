@@ -475,9 +475,17 @@ class Checkpointer:
         if recoverables is not None:
             self.add_recoverables(recoverables)
         self.allow_partial_load = allow_partial_load
-        self._manager = CheckpointManager(
-            self.checkpoints_dir, step_prefix=CKPT_PREFIX, async_save=async_save
-        )
+        # torch.distributed (DDP): the main process writes; the others read the same directory.
+        self._rank, self._world = _torch_distributed()
+        if self._rank == 0:
+            self._manager = CheckpointManager(
+                self.checkpoints_dir, step_prefix=CKPT_PREFIX, async_save=async_save
+            )
+        self._synchronise()
+        if self._rank != 0:
+            self._manager = CheckpointManager(
+                self.checkpoints_dir, step_prefix=CKPT_PREFIX, read_only=True
+            )
         latest = self._manager.latest_step()
         self._next = 0 if latest is None else latest + 1  # checkpoints are numbered in order
 
@@ -485,6 +493,19 @@ class Checkpointer:
     def manager(self) -> CheckpointManager:
         """The CheckpointManager underneath."""
         return self._manager
+
+    def _synchronise(self) -> None:
+        """With torch.distributed: a barrier (after the main process changed the directory),
+        after which the other processes read it again."""
+        if self._world == 1:
+            return
+        if self._rank == 0:
+            self._manager.wait_until_finished()
+        import torch.distributed as dist
+
+        dist.barrier()
+        if self._rank != 0 and hasattr(self, "_manager"):
+            self._manager.reload()
 
     def add_recoverable(
         self,
@@ -542,13 +563,19 @@ class Checkpointer:
         end_of_epoch: bool = True,
         name: str | None = None,
         verbosity: int = logging.INFO,
-    ) -> Checkpoint:
+    ) -> Checkpoint | None:
         """Save every recoverable as one checkpoint; returns its Checkpoint(path, meta, paramfiles).
+
+        With torch.distributed, the main process saves (its hooks run there only) and the others
+        wait for the commit and return None, as SpeechBrain's non-main processes do.
 
         `meta` (JSON data; NumPy/torch scalars are converted) is stored with "unixtime" and
         "end-of-epoch"; its numbers are also the step's metrics. `name` is kept in the meta as
         "name" (the directory is ``CKPT_<sequence>``).
         """
+        if self._rank != 0:
+            self._synchronise()
+            return None
         full_meta: dict[str, Any] = {"unixtime": time.time(), "end-of-epoch": bool(end_of_epoch)}
         full_meta.update(_check_meta(meta))
         if name is not None:
@@ -577,6 +604,8 @@ class Checkpointer:
                 if isinstance(item, _Recoverable) and item.kind == "hook":
                     shutil.rmtree(item.staging, ignore_errors=True)
             raise
+        finally:
+            self._synchronise()  # the other processes go on, whether the save worked or not
         self._next = step + 1
         path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
         kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
@@ -766,6 +795,9 @@ class Checkpointer:
         """
         if isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 0:
             raise ValueError("Number of checkpoints to keep must be positive.")
+        if self._rank != 0:  # the main process deletes; the others read the result
+            self._synchronise()
+            return
         orders: list[dict[str, Any]] = [{"min_key": k} for k in min_keys or []]
         orders += [{"max_key": k} for k in max_keys or []]
         orders += [
@@ -778,9 +810,12 @@ class Checkpointer:
             ranked = self.find_checkpoints(ckpt_predicate=ckpt_predicate, **order)
             candidates.update(ranked)
             protected.update(ranked[:num_to_keep])
-        for ckpt in sorted(candidates - protected, key=ckpt_recency):
-            self._delete(ckpt)
-            log.log(verbosity, "cairn.speechbrain: deleted checkpoint %s", ckpt.path)
+        try:
+            for ckpt in sorted(candidates - protected, key=ckpt_recency):
+                self._delete(ckpt)
+                log.log(verbosity, "cairn.speechbrain: deleted checkpoint %s", ckpt.path)
+        finally:
+            self._synchronise()
 
     def _delete(self, checkpoint: Checkpoint) -> None:
         step = self._step_of(checkpoint)
@@ -803,6 +838,16 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _torch_distributed() -> tuple[int, int]:
+    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available():
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    return int(torch.distributed.get_rank()), int(torch.distributed.get_world_size())
 
 
 def _check_hooks(hooks: Mapping[str, Any]) -> dict[str, Callable[..., Any]]:
