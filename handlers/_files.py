@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -31,6 +32,7 @@ __all__ = [
     "check_relative",
     "fsync_dir",
     "lower_thread_priority",
+    "read_no_follow",
     "write_file",
     "writing_as",
     "writing_process",
@@ -158,6 +160,13 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
         pass
 
 
+def read_no_follow(path: Path) -> bytes:
+    """The bytes of a regular file; OSError (ELOOP) if `path` itself is a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (new names, renames) to disk."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -188,6 +197,8 @@ class StoredItem:
         """Every recorded file under `prefix` exists with its recorded size (a stat, no read).
 
         For files a reader does not verify itself: a missing zarr chunk would read as zeros.
+        A symbolic link anywhere on the way (the item directory, a subdirectory, the file) is
+        refused: a checkpoint is read from inside its own directory only.
         """
         names = self._sorted_names
         for relpath in names[bisect.bisect_left(names, prefix) :]:
@@ -195,7 +206,7 @@ class StoredItem:
                 break
             record = self.files[relpath]
             try:
-                size = (self.directory / relpath).stat().st_size
+                size = self._lstat(relpath).st_size
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
             if size != record.size:
@@ -207,12 +218,44 @@ class StoredItem:
     def _sorted_names(self) -> list[str]:
         return sorted(self.files)
 
+    @functools.cached_property
+    def _real_dirs(self) -> set[str]:
+        return set()  # relative directories already checked not to be links ("" is the item)
+
+    def _lstat(self, relpath: str) -> os.stat_result:
+        """lstat of a file, after checking that neither it nor a directory above it, up to and
+        including the item directory, is a symbolic link (CorruptCheckpointError if one is)."""
+        parts = relpath.split("/")
+        for depth in range(len(parts)):
+            rel = "/".join(parts[:depth])
+            if rel in self._real_dirs:
+                continue
+            path = self.directory / rel if rel else self.directory
+            try:
+                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
+            if is_link:
+                raise CorruptCheckpointError(
+                    f"{self.describe_file(relpath)}: {path} is a symbolic link; cairn reads a "
+                    "checkpoint only from inside its directory"
+                )
+            self._real_dirs.add(rel)
+        info = os.lstat(self.directory / relpath)
+        if stat.S_ISLNK(info.st_mode):
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} is a symbolic link; cairn reads a checkpoint only "
+                "from inside its directory"
+            )
+        return info
+
     def read_bytes(self, relpath: str) -> bytes:
         record = self.files.get(relpath)
         if record is None:
             raise CorruptCheckpointError(f"{self.describe_file(relpath)} is not in the manifest")
         try:
-            data = (self.directory / relpath).read_bytes()
+            self._lstat(relpath)
+            data = read_no_follow(self.directory / relpath)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
         if len(data) != record.size:

@@ -286,7 +286,10 @@ def delete_step(root: Path, name: str) -> Path | None:
 def remove_trash(trash: Path) -> None:
     """Free the space of a retired step (slow on some filesystems; never on the commit path)."""
     try:
-        shutil.rmtree(trash)
+        if trash.is_symlink():  # a step that was a link: remove the link, never its target
+            trash.unlink()
+        else:
+            shutil.rmtree(trash)
     except OSError as e:
         log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)
 

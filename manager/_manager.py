@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
-from cairn.handlers._files import lower_thread_priority, writing_as
+from cairn.handlers._files import lower_thread_priority, read_no_follow, writing_as
 from cairn.handlers.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -724,6 +724,14 @@ class CheckpointManager:
             except CorruptCheckpointError:
                 self._check_still_there(step, step_dir)
                 raise
+            except FileNotFoundError as e:  # a file vanished after check_files
+                self._check_still_there(step, step_dir)
+                raise CorruptCheckpointError(
+                    f"step {step}, item {name!r}: {e.filename or e} is missing"
+                ) from None
+        # The writer's retention renames a step away at once: if that happened during the
+        # reads, some could have found nothing (TensorStore reads a missing chunk as fill values).
+        self._check_still_there(step, step_dir)
         return restored
 
     def _check_still_there(self, step: int, step_dir: Path) -> None:
@@ -894,17 +902,27 @@ class CheckpointManager:
             return steps
         for entry in entries:
             step = self._names.parse(entry.name)
-            if step is None or not entry.is_dir():
+            if step is None:
                 continue
-            steps[step] = self._read_step(step, Path(entry.path))
+            if entry.is_symlink():  # never followed: it could lead anywhere
+                error = CorruptCheckpointError(
+                    f"step {step} at {entry.path} is a symbolic link; cairn does not follow links "
+                    "to step directories"
+                )
+                steps[step] = _Step(None, error)
+            elif entry.is_dir(follow_symlinks=False):
+                rec = self._read_step(step, Path(entry.path))
+                if rec.manifest is not None or os.path.lexists(entry.path):
+                    steps[step] = rec  # else: deleted (by the writer's retention) while listed
         return steps
 
     def _read_step(self, step: int, path: Path) -> _Step:
         where = f"manifest {path / MANIFEST} of step {step}"
         try:
-            manifest = Manifest.from_bytes((path / MANIFEST).read_bytes(), where)
+            manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), where)
         except FileNotFoundError:
-            return _Step(None, CorruptCheckpointError(f"step {step} at {path} has no manifest"))
+            missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
+            return _Step(None, CorruptCheckpointError(missing))
         except OSError as e:
             return _Step(None, CorruptCheckpointError(f"{where} cannot be read: {e}"))
         except (CorruptCheckpointError, UnsupportedFormatError) as e:
@@ -914,7 +932,7 @@ class CheckpointManager:
             return _Step(None, error)
         late: dict[str, float] = {}
         try:
-            data = (path / METRICS).read_bytes()
+            data = read_no_follow(path / METRICS)
             late = check_metrics(load_checked(data, str(path / METRICS))["metrics"])
         except FileNotFoundError:
             pass  # no late metrics

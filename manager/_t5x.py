@@ -24,6 +24,7 @@ import numpy as np
 
 from cairn.handlers import TfDataIteratorHandler, TrainStateHandler, TrainStateRestore
 from cairn.handlers import handler_for as _handler_for
+from cairn.handlers._files import read_no_follow
 from cairn.handlers.errors import CairnError, ItemNotFoundError, StepAlreadyExistsError
 from cairn.manager._format import MANIFEST, Manifest
 from cairn.manager._manager import CheckpointManager
@@ -268,7 +269,7 @@ def all_dataset_checkpoint_steps(checkpoints_dir: PathLike) -> list[int]:
     steps = []
     for step, path in sorted(_committed(checkpoints_dir).items()):
         try:
-            manifest = Manifest.from_bytes((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+            manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), str(path / MANIFEST))
         except (OSError, CairnError):
             continue
         entry = manifest.items.get(DATASET)
