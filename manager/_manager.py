@@ -774,6 +774,44 @@ class CheckpointManager:
         if self._executor is not None and not self._closed:
             self._executor.submit(lambda: None).result()  # FIFO: every earlier job has finished
 
+    def verify(self, step: Any, *, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Read every file of a committed step and check it; returns the problems found (none:
+        the step is intact). Each names the file: missing, truncated, failing its checksum, a
+        link, or an unreadable manifest or ``metrics.json``. `progress(n)` is called with the
+        bytes of each file checked."""
+        step = as_step(step)
+        self._wait_if_inflight(step)
+        with self._lock:
+            rec = self._steps.get(step)
+        if rec is None:
+            raise StepNotFoundError(self._missing(step))
+        if rec.manifest is None:
+            return [str(rec.error)]
+        step_dir = self._root / self._names.format(step)
+        problems = []
+        for name, entry in rec.manifest.items.items():
+            if entry.dropped:
+                continue
+            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
+            for record in entry.files:
+                try:
+                    stored.read_bytes(record.path)
+                except CorruptCheckpointError as e:
+                    problems.append(str(e))
+                except OSError as e:
+                    problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
+                if progress is not None:
+                    progress(record.size)
+        metrics = step_dir / METRICS
+        if os.path.lexists(metrics):
+            try:
+                load_checked(read_no_follow(metrics), str(metrics))
+            except (CorruptCheckpointError, OSError) as e:
+                problems.append(f"step {step}: {e}")
+        if not step_dir.is_dir():
+            raise StepNotFoundError(f"step {step} was deleted from {self._root} while verified")
+        return problems
+
     def info(self, step: Any) -> StepInfo:
         """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
         step = as_step(step)

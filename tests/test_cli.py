@@ -1,0 +1,94 @@
+"""The cairn command line, run as a person runs it: a subprocess on real checkpoint directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from iterutil import Shuffled
+
+from cairn.manager import CheckpointManager
+
+CAIRN = str(Path(sys.executable).with_name("cairn"))
+
+
+def cairn(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CAIRN, *args], capture_output=True, text=True, timeout=120)
+
+
+def make_run(root: Path) -> None:
+    with CheckpointManager(root) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"state": {"w": np.full((50, 50), step)}, "data": Shuffled()})
+
+
+def test_verify_intact_and_damaged(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    ok = cairn("verify", str(tmp_path))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == [
+        "step 10: ok",
+        "step 20: ok",
+        "step 30: ok",
+        "3 steps checked, 0 damaged",
+    ]
+    chunk = tmp_path / "checkpoint_20" / "state" / "arrays" / "0" / "0.0"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 1
+    chunk.write_bytes(bytes(data))
+    (tmp_path / "checkpoint_30" / "data" / "process_0-of-1.json").unlink()
+    bad = cairn("verify", str(tmp_path))
+    assert bad.returncode == 1
+    lines = bad.stdout.splitlines()
+    assert lines[0] == "step 10: ok"
+    assert lines[1].startswith("step 20: DAMAGED: step 20, item 'state', file ")
+    assert "arrays/0/0.0 fails its crc32c check" in lines[1]
+    assert lines[2].startswith("step 30: DAMAGED:") and "process_0-of-1.json is missing" in lines[2]
+    assert lines[-1] == "3 steps checked, 2 damaged"
+    one = cairn("verify", str(tmp_path), "--step", "10", "--json")
+    assert one.returncode == 0
+    assert json.loads(one.stdout) == [{"step": 10, "ok": True, "problems": []}]
+    listed = json.loads(cairn("verify", str(tmp_path), "--json").stdout)
+    assert [(r["step"], r["ok"]) for r in listed] == [(10, True), (20, False), (30, False)]
+
+
+def test_verify_reports_a_damaged_manifest(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    (tmp_path / "checkpoint_30" / "_CHECKPOINT.json").write_text("{}")
+    out = cairn("verify", str(tmp_path), "--step", "30")
+    assert out.returncode == 1
+    assert "step 30: DAMAGED:" in out.stdout and "_CHECKPOINT.json" in out.stdout
+
+
+def test_bad_arguments_are_one_line_and_status_2(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    (tmp_path / "file").write_text("x")
+    for args, message in [
+        (("verify", str(tmp_path / "nope")), "no such directory"),
+        (("verify", str(tmp_path / "file")), "not a directory"),
+        (("verify", str(tmp_path), "--step", "11"), "no step 11"),
+    ]:
+        out = cairn(*args)
+        assert out.returncode == 2, out
+        assert (
+            out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
+        )
+    usage = cairn("verify")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cairn("verify", str(tmp_path)).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # read-only: nothing changed
+
+
+def test_module_entry_point(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "cairn.manager", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.endswith("3 steps checked, 0 damaged\n")
