@@ -1,19 +1,29 @@
 """A trainer-like process for the crash tests: saves deterministic states in a loop until killed.
 
     python crash_writer.py ROOT [--sync] [--keep-latest N] [--keep-best N] [--late-metrics]
+                                [--dataset] [--kill-in PHASE --kill-at N]
 
-Each step's content is a pure function of the step (`expected_state`), so a checker can verify any
-step that survives. After each save() returns it prints ``saved <step>`` (flushed). With
---late-metrics it then records ``eval`` for that step (record_metrics waits for the commit).
+Each step's content is a pure function of the step (`expected_state`, and with --dataset an
+iterator advanced `step` elements, kept by keep_items={"data": KeepLatest(1)}), so a checker can
+verify any step that survives. After each save() returns it prints ``saved <step>`` (flushed).
+With --late-metrics it then records ``eval`` for that step (record_metrics waits for the commit).
+
+--kill-in PHASE makes the process SIGKILL itself at the N-th time it reaches PHASE (counted from
+the end of its first committed save, so every trial commits something): a deterministic point
+in the commit protocol, where the plain harness kills at random moments.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from iterutil import Shuffled, advanced
 
 from cairn.manager import AnyOf, CheckpointManager, KeepAll, KeepBest, KeepLatest, KeepPolicy
 
@@ -25,6 +35,83 @@ def expected_state(step: int) -> dict[str, Any]:
         "bias": np.full(7, step, np.int64),
         "step": step,
     }
+
+
+def expected_data(step: int) -> Shuffled:
+    return advanced(Shuffled(), step)
+
+
+def _phases() -> dict[str, tuple[Any, str, str, Callable[..., bool]]]:
+    """PHASE -> (owner, attribute, "before"|"after", which calls count)."""
+    from cairn.handlers import _files
+    from cairn.manager import _commit
+
+    def every(*args: Any) -> bool:
+        return True
+
+    return {
+        "file-written": (_files.ChecksummedFile, "close", "after", every),
+        "manifest-written": (_commit, "fsync_tree", "before", every),
+        "durable-not-renamed": (_commit, "fsync_tree", "after", every),
+        "after-a-rename": (_commit, "fsync_dir", "before", every),
+        "metrics-before": (_commit, "write_metrics", "before", every),
+        "metrics-after": (_commit, "write_metrics", "after", every),
+        "drop-item-before": (_commit, "drop_item", "before", every),
+        "drop-item-between": (_commit, "trash_name", "before", lambda n: n.endswith("-data")),
+        "drop-item-after": (_commit, "drop_item", "after", every),
+        "delete-before": (_commit, "delete_step", "before", every),
+        "delete-after": (_commit, "delete_step", "after", every),
+        "reclaim": (_commit, "remove_trash", "before", every),
+    }
+
+
+PHASES = sorted(
+    [
+        "file-written",
+        "manifest-written",
+        "durable-not-renamed",
+        "after-a-rename",
+        "metrics-before",
+        "metrics-after",
+        "drop-item-before",
+        "drop-item-between",
+        "drop-item-after",
+        "delete-before",
+        "delete-after",
+        "reclaim",
+    ]
+)
+
+
+def arm_kill(phase: str, nth: int) -> Callable[[], None]:
+    """Wrap the function of `phase` to SIGKILL this process at its `nth` call after arming;
+    returns the function that arms it."""
+    owner, attr, when, counts = _phases()[phase]
+    real = getattr(owner, attr)
+    state = {"armed": False, "calls": 0}
+
+    def hit(args: tuple[Any, ...]) -> None:
+        if state["armed"] and counts(*args[:1]):
+            state["calls"] += 1
+            if state["calls"] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when == "before":
+            hit(args[1:] if owner is not _commit_module() else args)
+        out = real(*args, **kwargs)
+        if when == "after":
+            hit(args[1:] if owner is not _commit_module() else args)
+        return out
+
+    setattr(owner, attr, wrapper)
+    return lambda: state.update(armed=True)
+
+
+def _commit_module() -> Any:
+    from cairn.manager import _commit
+
+    return _commit
 
 
 def eval_metric(step: int) -> float:
@@ -49,16 +136,28 @@ def main() -> None:
     parser.add_argument("--keep-latest", type=int, default=0)
     parser.add_argument("--keep-best", type=int, default=0)
     parser.add_argument("--late-metrics", action="store_true")
+    parser.add_argument("--dataset", action="store_true")
+    parser.add_argument("--kill-in", choices=PHASES, default=None)
+    parser.add_argument("--kill-at", type=int, default=1)
     args = parser.parse_args()
+    arm = arm_kill(args.kill_in, args.kill_at) if args.kill_in else None
     keep = keep_policy(args.keep_latest, args.keep_best)
-    mgr = CheckpointManager(args.root, keep=keep, async_save=not args.sync)
+    keep_items = {"data": KeepLatest(1)} if args.dataset else None
+    mgr = CheckpointManager(args.root, keep=keep, keep_items=keep_items, async_save=not args.sync)
     latest = mgr.latest_step()
     step = 0 if latest is None else latest + 1
     while True:
-        mgr.save(step, {"state": expected_state(step)})
+        items: dict[str, Any] = {"state": expected_state(step)}
+        if args.dataset:
+            items["data"] = expected_data(step)
+        mgr.save(step, items)
         print(f"saved {step}", flush=True)
         if args.late_metrics:
             mgr.record_metrics(step, {"eval": eval_metric(step)})
+        if arm is not None:
+            mgr.wait_until_finished()  # one step is committed: from here on, the kill may come
+            arm()
+            arm = None
         step += 1
 
 

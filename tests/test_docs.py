@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import cairn.manager  # noqa: F401  (registers its handlers before the registry is copied)
 from cairn.handlers import _registry
 
 ROOT = Path(__file__).resolve().parent.parent
