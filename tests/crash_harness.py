@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from crash_writer import eval_metric, expected_state
+from crash_writer import PHASES, eval_metric, expected_data, expected_state
+from iterutil import Shuffled, take
 from treeutil import assert_tree_equal
 
 from cairn.manager import CheckpointManager
@@ -87,7 +88,9 @@ def run_trials(
 
         if any(_is_leftover(p.name) for p in root.iterdir()):
             stats.kills_with_leftovers += 1
-        latest = check_directory(root, keep_latest=keep_latest, keep_best=keep_best)
+        latest = check_directory(
+            root, keep_latest=keep_latest, keep_best=keep_best, dataset="--dataset" in args
+        )
         assert latest > previous_latest, (
             f"the writer did not advance: {latest} <= {previous_latest}"
         )
@@ -99,20 +102,71 @@ def run_trials(
     return stats
 
 
+def run_phase_trials(
+    root: Path, phases: list[str], per_phase: int, *, seed: int = 0
+) -> dict[str, int]:
+    """For each phase, `per_phase` writers (async, KeepLatest(2) | KeepBest(2), late metrics,
+    an iterator item kept by keep_items) that SIGKILL themselves at the N-th time they reach it
+    (N random in 1..4); after each, the directory is checked as in `run_trials`.
+    Returns the steps committed per phase."""
+    rng = random.Random(seed)
+    committed = {}
+    for phase in phases:
+        assert phase in PHASES, phase
+        previous_latest = check_directory(root, dataset=True) if _has_steps(root) else -1
+        total = 0
+        for _ in range(per_phase):
+            args = ["--late-metrics", "--dataset", "--keep-latest", "2", "--keep-best", "2"]
+            args += ["--kill-in", phase, "--kill-at", str(rng.randint(1, 4))]
+            proc = subprocess.run(
+                [sys.executable, str(WRITER), str(root), *args],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert proc.returncode == -signal.SIGKILL, (phase, proc.returncode, proc.stderr[-2000:])
+            latest = check_directory(root, keep_latest=2, keep_best=2, dataset=True)
+            assert latest > previous_latest, f"{phase}: the writer did not advance"
+            total += latest - previous_latest
+            previous_latest = latest
+        committed[phase] = total
+    return committed
+
+
+def _has_steps(root: Path) -> bool:
+    return root.exists() and any(p.name.startswith("checkpoint_") for p in root.iterdir())
+
+
 def _is_leftover(name: str) -> bool:
     return ".tmp-" in name or name.startswith(".trash-")
 
 
-def check_directory(root: Path, *, keep_latest: int = 0, keep_best: int = 0) -> int:
+def check_directory(
+    root: Path, *, keep_latest: int = 0, keep_best: int = 0, dataset: bool = False
+) -> int:
     """Open a fresh writer on `root` and check everything; returns the newest step."""
     with CheckpointManager(root) as mgr:
         leftover = [p.name for p in root.iterdir() if _is_leftover(p.name)]
+        leftover += [
+            f"{p.parent.name}/{p.name}" for p in root.glob("checkpoint_*/*") if _is_leftover(p.name)
+        ]
         assert leftover == [], f"left after restart: {leftover}"
         steps = mgr.all_steps()
         assert steps, "no step survived"
         for step in steps:
-            got = mgr.restore(step, fallback=False)
+            items = mgr.info(step).items
+            wanted = {"state": None}
+            if dataset and not items["data"].dropped:
+                wanted["data"] = Shuffled()
+            elif dataset:
+                assert not (root / f"checkpoint_{step}" / "data").exists(), "an orphan item"
+            got = mgr.restore(step, wanted, fallback=False)
             assert_tree_equal(got["state"], expected_state(step))
+            if "data" in got:
+                assert take(got["data"]) == take(expected_data(step))
+        if dataset:  # the newest step always keeps its iterator position
+            assert not mgr.info(steps[-1]).items["data"].dropped
         latest = steps[-1]
         must_keep = set()
         if keep_latest:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from crash_harness import run_trials
+from crash_harness import run_phase_trials, run_trials
+from crash_writer import PHASES
 
 
 def test_sync_saves_survive_sigkill(tmp_path: Path, record_property: pytest.RecordProperty) -> None:
@@ -20,11 +21,12 @@ def test_sync_saves_survive_sigkill(tmp_path: Path, record_property: pytest.Reco
 def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
     tmp_path: Path, record_property: pytest.RecordProperty
 ) -> None:
-    """50 kills of an async writer with KeepLatest(2) | KeepBest(2, eval) and late metrics."""
+    """50 kills of an async writer with KeepLatest(2) | KeepBest(2, eval), late metrics, and an
+    iterator item kept only in the newest step (keep_items)."""
     stats = run_trials(
         tmp_path,
         50,
-        writer_args=("--late-metrics",),
+        writer_args=("--late-metrics", "--dataset"),
         keep_latest=2,
         keep_best=2,
         min_saves=2,
@@ -40,9 +42,29 @@ def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_many_kills(tmp_path: Path, mode: str) -> None:
     """The long version: 250 kills per mode (make soak)."""
-    args = ("--sync", "--late-metrics") if mode == "sync" else ("--late-metrics",)
+    args = ("--sync", "--late-metrics") if mode == "sync" else ("--late-metrics", "--dataset")
     stats = run_trials(
         tmp_path, 250, writer_args=args, keep_latest=2, keep_best=2, min_saves=2, seed=3
     )
     print(stats)
     assert stats.trials == 250
+
+
+def test_kills_at_each_phase_of_the_protocol(
+    tmp_path: Path, record_property: pytest.RecordProperty
+) -> None:
+    """One kill at each of 12 points: file written, manifest written, durable but not renamed,
+    after a rename, metrics update, per-item drop (before, between manifest and trash, after),
+    delete, reclaim. Every trial commits at least one step first."""
+    committed = run_phase_trials(tmp_path, PHASES, 1, seed=4)
+    record_property("crash_phases", str(committed))
+    print(committed)
+    assert sorted(committed) == PHASES
+
+
+@pytest.mark.slow
+def test_many_kills_at_each_phase(tmp_path: Path) -> None:
+    """The long version: 10 kills per phase (120 in all)."""
+    committed = run_phase_trials(tmp_path, PHASES, 10, seed=5)
+    print(committed)
+    assert sorted(committed) == PHASES

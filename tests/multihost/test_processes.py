@@ -66,6 +66,18 @@ def test_clocks_that_disagree_still_agree_on_saving(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkill_of_either_process_mid_save_commits_nothing(tmp_path: Path, victim: int) -> None:
+    kill_one_and_resume(tmp_path, victim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attempt", range(5))
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigkill_of_either_process_repeatedly(tmp_path: Path, victim: int, attempt: int) -> None:
+    """make soak: 5 more kills of each process, each in a fresh directory."""
+    kill_one_and_resume(tmp_path, victim)
+
+
+def kill_one_and_resume(tmp_path: Path, victim: int) -> None:
     """No hang and no partial step; a fresh pair resumes from the last committed step.
 
     Process 1 dying: process 0 raises BarrierTimeoutError within the 5 s timeout. Process 0
