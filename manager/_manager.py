@@ -6,6 +6,7 @@ import concurrent.futures
 import concurrent.futures.thread  # registers its shutdown hook before ours (see _finish_at_exit)
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import logging
@@ -207,8 +208,16 @@ class CheckpointManager:
 
         primary = self._procs.primary
         if not read_only and primary:
-            self._root.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = _DirectoryLock(self._root)
+            try:
+                self._root.mkdir(parents=True, exist_ok=True)
+                self._dir_lock = _DirectoryLock(self._root)
+            except OSError as e:
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                raise ReadOnlyError(
+                    f"{self._root} cannot be written ({e.strerror}); open it with "
+                    "read_only=True to read its checkpoints"
+                ) from e
         try:
             if not read_only and primary:
                 _commit.clean_leftovers(self._root, self._names)

@@ -31,6 +31,8 @@ def as_step(step: Any, *, argument: str = "step") -> int:
         raise TypeError(f"{argument} must be an integer, got {type(step).__qualname__} ({step!r})")
     if value < 0:
         raise ValueError(f"{argument} must be >= 0, got {value}")
+    if value >= 2**63:  # an int64, as JAX and T5X steps are; also keeps step names short
+        raise ValueError(f"{argument} must be < 2**63, got {value}")
     return value
 
 

@@ -11,7 +11,15 @@ import pytest
 from treeutil import dir_state
 
 from cairn.handlers import JsonHandler
-from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest
+from cairn.manager import (
+    CheckpointManager,
+    EveryNSteps,
+    ItemNotFoundError,
+    KeepLatest,
+    MismatchError,
+    ReadOnlyError,
+    StepNotFoundError,
+)
 
 Call = Callable[[CheckpointManager], Any]
 
@@ -114,6 +122,16 @@ BAD_CALLS: list[tuple[str, Call, type[Exception], str]] = [
     ("info str", lambda m: m.info("1"), TypeError, "step must be an integer"),
     ("metrics bool", lambda m: m.metrics(False), TypeError, "got a bool"),
     ("should_save float", lambda m: m.should_save(1.0), TypeError, "got float"),
+    ("huge step", lambda m: m.save(2**63, {"s": [1]}), ValueError, r"step must be < 2\*\*63"),
+    (
+        "mismatched target",
+        lambda m: m.restore(1, {"s": [np.zeros(4)]}),
+        MismatchError,
+        r"\[0\].*shape",
+    ),
+    ("unknown item", lambda m: m.restore(1, {"t": None}), ItemNotFoundError, "has no item 't'"),
+    ("record unknown step", lambda m: m.record_metrics(7, {"a": 1.0}), StepNotFoundError, "step 7"),
+    ("verify unknown step", lambda m: m.verify(7), StepNotFoundError, "step 7 is not committed"),
 ]
 
 
@@ -193,3 +211,35 @@ def test_directory_that_is_a_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exists and is not a directory"):
         CheckpointManager(tmp_path / "f")
     assert (tmp_path / "f").read_text() == "data"
+
+
+def test_a_directory_that_cannot_be_written(tmp_path: Path) -> None:
+    """A checkpoint directory on a read-only mount (a read-only bind mount; as a user without
+    mount rights, a directory without write permission): a writable manager is refused, naming
+    the directory and what to do, and changes nothing; a read-only manager reads it."""
+    import os
+    import subprocess
+
+    root, view = tmp_path / "run", tmp_path / "view"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"s": [np.arange(3)]})
+    (root / ".cairn.lock").unlink()  # as a copy would be: no lock file yet
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", "-r", str(root), str(view)], capture_output=True)
+    if mounted.returncode != 0:
+        assert os.geteuid() != 0, mounted.stderr  # root can mount here, so it must have worked
+        view.rmdir()
+        view = root
+        os.chmod(root, 0o555)
+    try:
+        before = dir_state(view)
+        with pytest.raises(ReadOnlyError, match=rf"{view} cannot be written .*read_only=True"):
+            CheckpointManager(view)
+        assert dir_state(view) == before
+        with CheckpointManager(view, read_only=True) as reader:
+            assert reader.all_steps() == [1]
+            np.testing.assert_array_equal(reader.restore()["s"][0], np.arange(3))
+    finally:
+        if view != root:
+            subprocess.run(["umount", "-l", str(view)], check=True)
+        os.chmod(root, 0o755)
