@@ -23,6 +23,11 @@ class _UsageError(Exception):
 
 
 def _open(directory: str, step_prefix: str) -> CheckpointManager:
+    if "://" in directory:  # an object store: the manager says what is wrong with it
+        try:
+            return CheckpointManager(directory, read_only=True, step_prefix=step_prefix)
+        except Exception as e:  # a bad URL, no such bucket, no credentials, no network
+            raise _UsageError(f"{directory}: {type(e).__name__}: {e}") from None
     path = Path(directory)
     if not path.exists():
         raise _UsageError(f"{directory}: no such directory")

@@ -121,21 +121,7 @@ def commit_step(
                 if len(set(paths)) != len(paths):
                     twice = sorted({p for p in paths if paths.count(p) > 1})
                     raise RuntimeError(f"item {name!r}: several processes wrote {twice[:5]}")
-        items = {
-            name: ItemEntry(handler.id, handler.version, records[name])
-            for name, (handler, _) in job.snapshots.items()
-        }
-        size = sum(entry.bytes for entry in items.values())
-        write_s = time.monotonic() - t0
-        manifest = Manifest(
-            step=job.step,
-            items=items,
-            started_at=job.started_at,
-            committed_at=time.time(),
-            metrics=dict(job.metrics),
-            metadata=dict(job.metadata),
-            telemetry={"blocked_s": job.blocked_s, "write_s": write_s, "bytes": float(size)},
-        )
+        manifest = build_manifest(job, records, time.monotonic() - t0)
         write_file(tmp, MANIFEST, manifest.to_bytes())
         fsync_tree(tmp)
         if os.path.lexists(final):
@@ -147,6 +133,36 @@ def commit_step(
         raise
     fsync_dir(root)  # make the new name itself durable
     return manifest
+
+
+def build_manifest(
+    job: SaveJob, records: Mapping[str, tuple[FileRecord, ...]], write_s: float
+) -> Manifest:
+    """The manifest of a written step (its commit time is now)."""
+    items = {
+        name: ItemEntry(handler.id, handler.version, records[name])
+        for name, (handler, _) in job.snapshots.items()
+    }
+    size = sum(entry.bytes for entry in items.values())
+    return Manifest(
+        step=job.step,
+        items=items,
+        started_at=job.started_at,
+        committed_at=time.time(),
+        metrics=dict(job.metrics),
+        metadata=dict(job.metadata),
+        telemetry={"blocked_s": job.blocked_s, "write_s": write_s, "bytes": float(size)},
+    )
+
+
+def write_items(tmp: Path, job: SaveJob) -> dict[str, tuple[FileRecord, ...]]:
+    """Run each item's write phase into ``tmp/<item>/`` (created here); returns the records."""
+    records = {}
+    for name, (handler, snapshot) in job.snapshots.items():
+        (tmp / name).mkdir()
+        records[name] = tuple(snapshot.write(tmp / name))
+        _check_records(tmp / name, handler, records[name])
+    return records
 
 
 def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, ...]) -> None:

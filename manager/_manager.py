@@ -11,6 +11,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -33,7 +35,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.manager import _commit
+from cairn.manager import _commit, _objectstore
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -87,7 +89,7 @@ class StepInfo:
     """
 
     step: int
-    path: Path
+    path: Path | str  # a URL for a step in an object store
     started_at: float
     committed_at: float
     items: Mapping[str, ItemInfo]
@@ -157,8 +159,11 @@ class CheckpointManager:
         max_pending: int = 1,
         read_only: bool = False,
         barrier_timeout: float = 300.0,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._root = _check_directory(directory)
+        target = _check_directory(directory)
+        self._root: Path = target if isinstance(target, Path) else Path()  # set below for URLs
+        self._options = _objectstore.StorageOptions.from_mapping(storage_options)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
         if policy_kind(self._save_policy) != "save":
             raise TypeError(
@@ -204,10 +209,25 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reclaimer: concurrent.futures.ThreadPoolExecutor | None = None
         self._dir_lock: _DirectoryLock | None = None
+        self._lease: _objectstore.Lease | None = None
         self._closed = False
+        self._store: _objectstore.ObjectStore | None = None
+        self._where = str(self._root)
+        if isinstance(target, str):  # an object store: a local staging directory for files
+            if self._procs.count > 1:
+                raise ValueError(
+                    f"directory {target!r}: object stores are single-process in this version"
+                )
+            self._store = _objectstore.ObjectStore(target, self._options)
+            self._where = self._store.url
+            self._root = Path(tempfile.mkdtemp(prefix="cairn-staging-"))
+            self._local = weakref.finalize(self, shutil.rmtree, self._root, True)
 
         primary = self._procs.primary
-        if not read_only and primary:
+        if self._store is not None:
+            if not read_only:
+                self._lease = _objectstore.Lease(self._store)
+        elif not read_only and primary:
             try:
                 self._root.mkdir(parents=True, exist_ok=True)
                 self._dir_lock = _DirectoryLock(self._root)
@@ -219,7 +239,7 @@ class CheckpointManager:
                     "read_only=True to read its checkpoints"
                 ) from e
         try:
-            if not read_only and primary:
+            if not read_only and primary and self._store is None:
                 _commit.clean_leftovers(self._root, self._names)
             run = uuid.uuid4().hex if primary else None
             opened = _OPENED[str(self._root)] = _OPENED.get(str(self._root), 0) + 1
@@ -232,14 +252,16 @@ class CheckpointManager:
                 else run or ""
             )
             self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
-            self._steps = self._scan()
-            if not read_only and primary:  # a crash between dropping an item and trashing it
+            self._steps = self._scan(clean=not read_only)
+            if not read_only and primary and self._store is None:  # a crash between drop and trash
                 for step, rec in self._steps.items():
                     if rec.manifest is not None:
                         _commit.remove_dropped(self._root / self._names.format(step), rec.manifest)
         except BaseException:
             if self._dir_lock is not None:
                 self._dir_lock.release()
+            if self._lease is not None:
+                self._lease.release()
             raise
         if not read_only and async_save:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -266,8 +288,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ properties
 
     @property
-    def directory(self) -> Path:
-        return self._root
+    def directory(self) -> Path | str:
+        """The checkpoint directory: a Path, or the URL of an object-store directory."""
+        return self._where if self._store is not None else self._root
 
     @property
     def read_only(self) -> bool:
@@ -275,7 +298,7 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         mode = "read_only" if self._read_only else ("async" if self._async else "sync")
-        return f"CheckpointManager({str(self._root)!r}, {mode}, steps={self.all_steps()})"
+        return f"CheckpointManager({self._where!r}, {mode}, steps={self.all_steps()})"
 
     def _collective(self, what: str) -> str:
         """A name for the next collective call, the same on every process (they call alike)."""
@@ -426,9 +449,17 @@ class CheckpointManager:
         procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
         try:
             try:
-                manifest = _commit.commit_step(
-                    self._root, self._names, job, procs, timeout_s=self._timeout
-                )
+                manifest: Manifest | None
+                if self._store is not None:
+                    manifest = _objectstore.commit_step(self._store, self._root, self._names, job)
+                    if self._lease is not None and not self._lease.refresh():
+                        raise DirectoryLockedError(
+                            f"{self._where}: another writer took over this directory's lease"
+                        )
+                else:
+                    manifest = _commit.commit_step(
+                        self._root, self._names, job, procs, timeout_s=self._timeout
+                    )
                 if manifest is None:  # not the primary: wait for its word
                     outcome = procs.broadcast(outcome_key, None, self._timeout)
                     if outcome != "ok":
@@ -526,6 +557,12 @@ class CheckpointManager:
             ) from first
 
     def _delete_now(self, step: int) -> None:
+        if self._store is not None:
+            _objectstore.delete_step(self._store, self._names.format(step))
+            with self._lock:
+                self._steps.pop(step, None)
+                self._commit_telemetry.pop(step, None)
+            return
         try:
             trash = _commit.delete_step(self._root, self._names.format(step))
         finally:
@@ -540,6 +577,11 @@ class CheckpointManager:
         with self._lock:
             rec = self._steps[step]
         assert rec.manifest is not None
+        if self._store is not None:
+            new = _objectstore.drop_item(self._store, self._names.format(step), rec.manifest, item)
+            with self._lock:
+                rec.manifest = new
+            return
         manifest, trash = _commit.drop_item(
             self._root / self._names.format(step), rec.manifest, item
         )
@@ -613,6 +655,10 @@ class CheckpointManager:
                     pool.shutdown(wait=True)
             if self._dir_lock is not None:
                 self._dir_lock.release()
+            if self._lease is not None:
+                self._lease.release()
+            if self._store is not None:
+                self._local()  # the staging directory and download cache
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -699,6 +745,9 @@ class CheckpointManager:
         step_dir = self._root / self._names.format(step)
         if wanted is None:
             wanted = {n: None for n, e in manifest.items.items() if not e.dropped}
+        if self._store is not None:
+            known = [n for n in wanted if n in manifest.items and not manifest.items[n].dropped]
+            step_dir = self._fetch(step, manifest, known)
         for name in wanted:
             entry = manifest.items.get(name)
             if entry is None:
@@ -743,9 +792,26 @@ class CheckpointManager:
         self._check_still_there(step, step_dir)
         return restored
 
+    def _fetch(self, step: int, manifest: Manifest, items: list[str]) -> Path:
+        """The local copy of a remote step's items (downloaded on first use)."""
+        assert self._store is not None
+        name = self._names.format(step)
+        try:
+            return _objectstore.fetch(self._store, name, manifest, items, self._root / "cache")
+        except FileNotFoundError as e:
+            if self._store.read(f"{name}/{MANIFEST}") is None:
+                with self._lock:
+                    self._steps.pop(step, None)
+                raise StepNotFoundError(f"step {step} was deleted from {self._where}") from None
+            raise CorruptCheckpointError(f"step {step}: {e} is missing") from None
+
     def _check_still_there(self, step: int, step_dir: Path) -> None:
         """A step deleted meanwhile (by the writer's retention) is gone, not damaged."""
-        if not step_dir.exists():
+        if self._store is not None:
+            gone = self._store.read(f"{self._names.format(step)}/{MANIFEST}") is None
+        else:
+            gone = not step_dir.exists()
+        if gone:
             with self._lock:
                 self._steps.pop(step, None)
             raise StepNotFoundError(f"step {step} was deleted from {self._root} while being read")
@@ -797,6 +863,12 @@ class CheckpointManager:
         if rec.manifest is None:
             return [str(rec.error)]
         step_dir = self._root / self._names.format(step)
+        if self._store is not None:
+            live = [n for n, e in rec.manifest.items.items() if not e.dropped]
+            try:
+                step_dir = self._fetch(step, rec.manifest, live)
+            except CorruptCheckpointError as e:
+                return [str(e)]
         problems = []
         for name, entry in rec.manifest.items.items():
             if entry.dropped:
@@ -812,13 +884,12 @@ class CheckpointManager:
                 if progress is not None:
                     progress(record.size)
         metrics = step_dir / METRICS
-        if os.path.lexists(metrics):
+        if self._store is None and os.path.lexists(metrics):
             try:
                 load_checked(read_no_follow(metrics), str(metrics))
             except (CorruptCheckpointError, OSError) as e:
                 problems.append(f"step {step}: {e}")
-        if not step_dir.is_dir():
-            raise StepNotFoundError(f"step {step} was deleted from {self._root} while verified")
+        self._check_still_there(step, step_dir)
         return problems
 
     def info(self, step: Any) -> StepInfo:
@@ -831,7 +902,11 @@ class CheckpointManager:
             telemetry = {**manifest.telemetry, **self._commit_telemetry.get(step, {})}
         return StepInfo(
             step=step,
-            path=self._root / self._names.format(step),
+            path=(
+                f"{self._where}/{self._names.format(step)}"
+                if self._store is not None
+                else self._root / self._names.format(step)
+            ),
             started_at=manifest.started_at,
             committed_at=manifest.committed_at,
             items={
@@ -873,7 +948,9 @@ class CheckpointManager:
             if rec.manifest is None:
                 self._manifest(step)  # raises the step's own error
             merged = {**rec.late_metrics, **new}
-            if self._procs.primary:
+            if self._store is not None:
+                _objectstore.write_metrics(self._store, self._names.format(step), merged)
+            elif self._procs.primary:
                 _commit.write_metrics(self._root / self._names.format(step), merged)
             with self._lock:
                 rec.late_metrics = merged
@@ -940,8 +1017,21 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"{what}: this manager of {self._root} is closed")
 
-    def _scan(self) -> dict[int, _Step]:
-        """Every committed step on disk, with its manifest or the reason it cannot be read."""
+    def _scan(self, *, clean: bool = False) -> dict[int, _Step]:
+        """Every committed step on disk, with its manifest or the reason it cannot be read.
+
+        In an object store, a step prefix without a manifest is absent; with `clean` (a writer
+        starting) its objects, left by a writer that died before its commit, are deleted."""
+        if self._store is not None:
+            committed, leftovers = _objectstore.scan(self._store, self._names)
+            if clean:
+                for name in leftovers:
+                    log.info("cairn: removing uncommitted %s/%s", self._where, name)
+                    self._store.delete_prefix(f"{name}/")
+            return {
+                step: self._parse_step(step, f"{self._where}/{self._names.format(step)}", *data)
+                for step, data in committed.items()
+            }
         steps: dict[int, _Step] = {}
         try:
             entries = list(os.scandir(self._root))
@@ -962,6 +1052,25 @@ class CheckpointManager:
                 if rec.manifest is not None or os.path.lexists(entry.path):
                     steps[step] = rec  # else: deleted (by the writer's retention) while listed
         return steps
+
+    def _parse_step(
+        self, step: int, path: str, manifest_bytes: bytes, metrics_bytes: bytes | None
+    ) -> _Step:
+        """A remote step from its manifest and metrics.json bytes."""
+        where = f"manifest {path}/{MANIFEST} of step {step}"
+        try:
+            manifest = Manifest.from_bytes(manifest_bytes, where)
+        except (CorruptCheckpointError, UnsupportedFormatError) as e:
+            return _Step(None, e)
+        if manifest.step != step:
+            return _Step(None, CorruptCheckpointError(f"{where} says step {manifest.step}"))
+        late: dict[str, float] = {}
+        if metrics_bytes is not None:
+            try:
+                late = check_metrics(load_checked(metrics_bytes, f"{path}/{METRICS}")["metrics"])
+            except (CorruptCheckpointError, KeyError, TypeError) as e:
+                log.warning("cairn: ignoring unreadable %s/%s: %s", path, METRICS, e)
+        return _Step(manifest, late_metrics=late)
 
     def _read_step(self, step: int, path: Path) -> _Step:
         where = f"manifest {path / MANIFEST} of step {step}"
@@ -994,6 +1103,14 @@ class CheckpointManager:
     def _adopt_if_on_disk(self, step: int) -> None:
         """After a failed commit, list the step if it is on disk anyway, so all_steps() stays true."""
         path = self._root / self._names.format(step)
+        if self._store is not None:
+            name = self._names.format(step)
+            data = self._store.read(f"{name}/{MANIFEST}")
+            if data is not None:
+                rec = self._parse_step(step, f"{self._where}/{name}", data, None)
+                with self._lock:
+                    self._steps[step] = rec
+            return
         try:
             if path.is_dir():
                 rec = self._read_step(step, path)
@@ -1053,14 +1170,18 @@ def _uses_time(policy: Any) -> bool:
     return not isinstance(policy, (EveryNSteps, AtSteps))
 
 
-def _check_directory(directory: Any) -> Path:
+def _check_directory(directory: Any) -> Path | str:
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a str or path, got {type(directory).__qualname__}")
     text = os.fspath(directory)
     if not isinstance(text, str) or not text:
         raise ValueError(f"directory must be a non-empty path, got {directory!r}")
-    if "://" in text:
-        raise ValueError(f"directory {text!r}: object-store URLs are not supported by this version")
+    if _objectstore.is_url(text):
+        if not text.startswith(("s3://", "gs://")):
+            raise ValueError(
+                f"directory {text!r}: object stores are s3://bucket/prefix or gs://bucket/prefix"
+            )
+        return text
     path = Path(text).absolute()
     if path.exists() and not path.is_dir():
         raise ValueError(f"directory {str(path)!r} exists and is not a directory")

@@ -9,6 +9,8 @@ import pytest
 
 from cairn.handlers import InMemoryHandler
 
+pytest_plugins = ["s3util"]  # the s3_endpoint / s3_bucket fixtures: a real S3 server (moto)
+
 
 class Gate:
     """Holds commit-thread writes until the test releases them (no sleeps as synchronisation)."""

@@ -196,7 +196,8 @@ def test_bad_option_is_refused_before_touching_disk(
     [
         (123, TypeError, "directory must be a str or path, got int"),
         ("", ValueError, "directory must be a non-empty path"),
-        ("s3://bucket/run", ValueError, "object-store URLs are not supported"),
+        ("ftp://host/run", ValueError, "object stores are s3://bucket/prefix or gs://"),
+        ("s3://", ValueError, "object stores are s3://bucket/prefix"),
     ],
 )
 def test_bad_directory(directory: Any, error: type[Exception], message: str) -> None:

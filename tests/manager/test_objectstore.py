@@ -1,0 +1,233 @@
+"""Checkpoint directories in S3, against a real S3 server process (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from iterutil import Shuffled, advanced, take
+from s3util import s3_env
+from treeutil import assert_tree_equal
+
+from cairn.manager import (
+    CheckpointManager,
+    DirectoryLockedError,
+    KeepLatest,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    _objectstore,
+)
+from cairn.manager._commit import SaveJob
+from cairn.manager._format import StepNames
+
+TESTS = Path(__file__).parents[1]
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": np.arange(3000.0).reshape(30, 100) * step, "step": step}
+
+
+def test_save_restore_retention_and_metrics(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/runs/a"
+    keep = KeepLatest(2)
+    with CheckpointManager(url, keep=keep, keep_items={"data": KeepLatest(1)}) as mgr:
+        assert mgr.directory == url
+        for step in range(1, 5):
+            mgr.save(
+                step,
+                {"state": state(step), "data": advanced(Shuffled(), step)},
+                metrics={"loss": 1.0 / step},
+            )
+        mgr.record_metrics(4, {"eval": 0.5})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+        assert mgr.info(3).items["data"].dropped and not mgr.info(4).items["data"].dropped
+        assert mgr.info(4).path == f"{url}/checkpoint_4"
+        got = mgr.restore(items={"state": None, "data": Shuffled()})
+        assert_tree_equal(got["state"], state(4))
+        assert take(got["data"]) == take(advanced(Shuffled(), 4))
+    with CheckpointManager(url, read_only=True, best=("loss", "min")) as reader:
+        assert reader.all_steps() == [3, 4]
+        assert reader.metrics(4) == {"loss": 0.25, "eval": 0.5}
+        assert reader.best_step() == 4
+        assert_tree_equal(reader.restore(3)["state"], state(3))
+        assert reader.verify(4) == []
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    keys = store.list_keys()
+    assert all(k.startswith(("checkpoint_3/", "checkpoint_4/")) for k in keys), keys
+    assert not [k for k in keys if "/data/" in k and k.startswith("checkpoint_3/")]
+
+
+def test_explicit_endpoint_and_bad_options(
+    s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    with CheckpointManager(s3_bucket, storage_options={"endpoint": s3_endpoint}) as mgr:
+        mgr.save(1, {"state": state(1)})
+    with CheckpointManager(
+        s3_bucket, read_only=True, storage_options={"endpoint": s3_endpoint}
+    ) as r:
+        assert r.all_steps() == [1]
+    with pytest.raises(ValueError, match=r"unknown keys \['bucket'\]"):
+        CheckpointManager(s3_bucket, storage_options={"bucket": "x"})
+    with pytest.raises(ValueError, match="object stores are s3://bucket/prefix"):
+        CheckpointManager("ftp://host/x")
+
+
+def test_second_writer_is_refused_and_a_dead_writers_lease_is_taken_over(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/lease"
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        with pytest.raises(
+            DirectoryLockedError, match="held by another writable CheckpointManager"
+        ):
+            CheckpointManager(url)
+        with CheckpointManager(url, read_only=True) as reader:
+            assert reader.all_steps() == [1]
+    with CheckpointManager(url) as again:  # released at close
+        assert again.all_steps() == [1]
+
+
+def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoint: str) -> None:
+    """A real writer process saving to the bucket, SIGKILLed three times at random moments; each
+    restart takes over the dead writer's lease, removes what the kill left uncommitted, and every
+    listed step restores equal to what was saved."""
+    from crash_writer import expected_state
+
+    url = f"{s3_bucket}/crash"
+    previous = -1
+    for trial in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=s3_env(s3_endpoint),
+        )
+        assert proc.stdout is not None
+        for _ in range(2 + trial):  # let it save a few steps, then kill it mid-way
+            assert proc.stdout.readline().startswith("saved"), proc.stderr.read()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        with CheckpointManager(url) as mgr:  # a writer: takes the lease, cleans up
+            steps = mgr.all_steps()
+            assert steps and steps[-1] > previous, (steps, previous)
+            for step in steps:
+                assert_tree_equal(mgr.restore(step, fallback=False)["state"], expected_state(step))
+            previous = steps[-1]
+        store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+        prefixes = {k.split("/")[0] for k in store.list_keys()}
+        assert prefixes == {f"checkpoint_{s}" for s in steps}, prefixes  # no uncommitted leftovers
+
+
+def test_reader_beside_the_writer(s3_bucket: str, s3_endpoint: str) -> None:
+    from crash_writer import expected_state
+
+    url = f"{s3_bucket}/live"
+    writer = subprocess.Popen(
+        [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=s3_env(s3_endpoint),
+    )
+    assert writer.stdout is not None
+    restored = 0
+    try:
+        assert writer.stdout.readline().startswith("saved")
+        with CheckpointManager(url, read_only=True) as reader:
+            while restored < 15:
+                reader.reload()
+                for step in reader.all_steps():
+                    try:
+                        got = reader.restore(step, fallback=False)
+                    except StepNotFoundError:
+                        continue
+                    assert_tree_equal(got["state"], expected_state(step))
+                    restored += 1
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate()
+
+
+def test_two_writers_racing_for_one_step_exactly_one_wins(s3_bucket: str, tmp_path: Path) -> None:
+    """The commit itself, from 6 threads at once for the same step: one manifest is written,
+    the others get StepAlreadyExistsError, and the step restores to the winner's content."""
+    from cairn.handlers import TrainStateHandler
+
+    url = f"{s3_bucket}/race"
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    names = StepNames()
+    handler = TrainStateHandler()
+    start = threading.Barrier(6)
+    outcomes: list[Any] = [None] * 6
+
+    def attempt(i: int) -> None:
+        job = SaveJob(
+            step=7,
+            tmp_name=None,
+            snapshots={"state": (handler, handler.snapshot({"w": np.full(100, float(i))}))},
+            metrics={},
+            metadata={"writer": i},
+            started_at=0.0,
+            blocked_s=0.0,
+        )
+        start.wait()
+        try:
+            outcomes[i] = _objectstore.commit_step(store, tmp_path / f"w{i}", names, job)
+        except StepAlreadyExistsError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in enumerate(outcomes) if not isinstance(o, StepAlreadyExistsError)]
+    assert len(winners) == 1, outcomes
+    with CheckpointManager(url, read_only=True) as reader:
+        assert reader.info(7).metadata == {"writer": winners[0]}
+        np.testing.assert_array_equal(reader.restore(7)["state"]["w"], np.full(100, winners[0]))
+
+
+def test_a_step_copied_from_disk_to_the_bucket_and_back(s3_bucket: str, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    with CheckpointManager(local) as mgr:
+        mgr.save(5, {"state": state(5), "data": advanced(Shuffled(), 5)})
+    url = f"{s3_bucket}/copied"
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store.upload_tree(local / "checkpoint_5", "checkpoint_5/")  # e.g. `aws s3 cp --recursive`
+    with CheckpointManager(url, read_only=True) as reader:
+        got = reader.restore(5, {"state": None, "data": Shuffled()})
+        assert_tree_equal(got["state"], state(5))
+        assert take(got["data"]) == take(advanced(Shuffled(), 5))
+    back = tmp_path / "back" / "checkpoint_5"
+    store.download({k: back / k.partition("/")[2] for k in store.list_keys("checkpoint_5/")})
+    with CheckpointManager(tmp_path / "back", read_only=True) as reader:
+        assert_tree_equal(reader.restore(5)["state"], state(5))
+
+
+def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
+    url = f"{s3_bucket}/cli"
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, {"state": state(1)})
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    out = subprocess.run(
+        [cairn, "verify", url], capture_output=True, text=True, env=s3_env(s3_endpoint), timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["step 1: ok", "1 steps checked, 0 damaged"]
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    key = next(k for k in store.list_keys() if k.endswith("tree.json"))
+    store.write(key, b"{}")  # damaged in place
+    out = subprocess.run(
+        [cairn, "verify", url], capture_output=True, text=True, env=s3_env(s3_endpoint), timeout=120
+    )
+    assert out.returncode == 1 and "tree.json" in out.stdout
