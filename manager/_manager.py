@@ -253,6 +253,17 @@ class CheckpointManager:
             )
             self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
             self._steps = self._scan(clean=not read_only)
+            if self._store is not None and not read_only:  # a crash inside a drop_item
+                _objectstore.remove_dropped(
+                    self._store,
+                    {
+                        self._names.format(step): [
+                            n for n, e in rec.manifest.items.items() if e.dropped
+                        ]
+                        for step, rec in self._steps.items()
+                        if rec.manifest is not None
+                    },
+                )
             if not read_only and primary and self._store is None:  # a crash between drop and trash
                 for step, rec in self._steps.items():
                     if rec.manifest is not None:

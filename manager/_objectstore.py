@@ -35,9 +35,9 @@ LEASE_SECONDS = 3600.0
 
 @dataclasses.dataclass(frozen=True)
 class StorageOptions:
-    """Where and how to reach the object store; unset fields come from the environment that
-    boto3 and s3fs read (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION / AWS_REGION; credentials from
-    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the usual AWS files)."""
+    """Where and how to reach the object store; unset fields come from the standard AWS
+    environment variables (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION / AWS_REGION; credentials from
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, else TensorStore's default AWS credential chain)."""
 
     endpoint: str | None = None
     region: str | None = None
@@ -260,9 +260,16 @@ def commit_step(store: ObjectStore, staging: Path, names: StepNames, job: SaveJo
         manifest = build_manifest(job, write_items(tmp, job), time.monotonic() - t0)
         store.upload_tree(tmp, f"{final}/")
         if not store.write_if_absent(f"{final}/{MANIFEST}", manifest.to_bytes()):  # the commit
-            raise StepAlreadyExistsError(f"step {job.step}: {store.url}/{final} appeared meanwhile")
+            # Another writer committed this step although we held the claim: a server that
+            # ignores conditional writes. Its step is not ours to delete.
+            raise StepAlreadyExistsError(
+                f"step {job.step}: {store.url}/{final} was committed by another writer meanwhile "
+                "(does this server honour conditional writes?)"
+            )
+    except StepAlreadyExistsError:
+        raise
     except BaseException:
-        store.delete_prefix(f"{final}/")  # our claim and whatever we uploaded
+        store.delete_prefix(f"{final}/")  # our claim and whatever we uploaded; no manifest yet
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,6 +300,17 @@ def scan(
     return committed, leftovers
 
 
+def remove_dropped(store: ObjectStore, dropped: Mapping[str, Iterable[str]]) -> None:
+    """Delete the objects of items that manifests mark dropped (a crash in `drop_item` left
+    them); `dropped` maps a step name to its dropped items."""
+    keys = store.list_keys()
+    for name, items in dropped.items():
+        for item in items:
+            prefix = f"{name}/{item}/"
+            if any(k.startswith(prefix) for k in keys):
+                store.delete_prefix(prefix)
+
+
 def delete_step(store: ObjectStore, name: str) -> None:
     """Retire a step: its manifest goes first (from then on it is no step), then its data."""
     store.delete(f"{name}/{MANIFEST}")
@@ -319,7 +337,7 @@ def fetch(
 ) -> Path:
     """A local copy of the items' files of a committed step (downloaded once per manager);
     returns the local step directory. Checksums are verified when the handlers read."""
-    local = cache / name
+    local = cache / f"{name}-{manifest.committed_at!r}"  # a step saved again is another copy
     wanted = {}
     for item in items:
         for record in manifest.items[item].files:

@@ -231,3 +231,21 @@ def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
         [cairn, "verify", url], capture_output=True, text=True, env=s3_env(s3_endpoint), timeout=120
     )
     assert out.returncode == 1 and "tree.json" in out.stdout
+
+
+def test_a_crash_inside_an_item_drop_is_cleaned_at_the_next_start(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/dropcrash"
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, {"state": state(1), "data": Shuffled()})
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    with CheckpointManager(url, read_only=True) as reader:
+        manifest = reader._manifest(1)
+    # the state a crash between the manifest replacement and the deletion leaves:
+    data_keys = store.list_keys("checkpoint_1/data/")
+    _objectstore.drop_item(store, "checkpoint_1", manifest, "data")
+    for key in data_keys:
+        store.write(key, b"orphan")
+    with CheckpointManager(url) as mgr:
+        assert store.list_keys("checkpoint_1/data/") == []
+        assert mgr.info(1).items["data"].dropped
+        assert_tree_equal(mgr.restore(1)["state"], state(1))
