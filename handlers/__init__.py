@@ -24,6 +24,7 @@ from cairn.handlers._iterators import (
 from cairn.handlers._json import JsonHandler
 from cairn.handlers._memory import InMemoryHandler
 from cairn.handlers._numpy_tree import NumpyTreeHandler
+from cairn.handlers._orbax import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers._protocol import Handler, Snapshot
 from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
 from cairn.handlers._registry import register_by_methods as _register_by_methods
@@ -38,6 +39,9 @@ __all__ = [
     "JsonHandler",
     "LazyArray",
     "NumpyTreeHandler",
+    "OrbaxDatasetHandler",
+    "OrbaxJsonHandler",
+    "OrbaxPyTreeHandler",
     "Snapshot",
     "StatefulIteratorHandler",
     "StoredItem",
@@ -61,6 +65,8 @@ __all__ = [
 register(TrainStateHandler(), dict, list, tuple, int, float, complex, _np.ndarray, _np.generic)
 register(NumpyTreeHandler())
 register(JsonHandler())
+for _orbax in (OrbaxPyTreeHandler(), OrbaxJsonHandler(), OrbaxDatasetHandler()):
+    register(_orbax)  # by id: they read the items of Orbax steps
 # Iterators: by type name (TensorFlow and grain load only when one is saved), then by methods.
 register(TfDataIteratorHandler(), *_iterators.TF_TYPES)
 register(GrainIteratorHandler(), *_iterators.GRAIN_TYPES)

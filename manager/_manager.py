@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -40,6 +41,7 @@ from cairn.manager._format import (
     LOCK,
     MANIFEST,
     METRICS,
+    ItemEntry,
     Manifest,
     StepNames,
     check_metadata,
@@ -109,6 +111,7 @@ class _Step:
     manifest: Manifest | None
     error: Exception | None = None
     late_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    foreign: bool = False  # written by orbax-checkpoint: read-only for cairn
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -537,7 +540,7 @@ class CheckpointManager:
             views = [
                 StepView(s, rec.manifest.started_at, rec.metrics)
                 for s, rec in self._steps.items()
-                if rec.manifest is not None
+                if rec.manifest is not None and not rec.foreign  # Orbax steps are never touched
             ]
         failures = []
         for step in steps_to_delete(views, self._keep):
@@ -552,6 +555,7 @@ class CheckpointManager:
                     StepView(s, rec.manifest.started_at, rec.metrics)
                     for s, rec in self._steps.items()
                     if rec.manifest is not None
+                    and not rec.foreign
                     and item in rec.manifest.items
                     and not rec.manifest.items[item].dropped
                 ]
@@ -950,6 +954,11 @@ class CheckpointManager:
         self._check_writable("record_metrics")
         step = as_step(step)
         new = check_metrics(metrics)
+        with self._lock:
+            if step in self._steps and self._steps[step].foreign:
+                raise ReadOnlyError(
+                    f"step {step} was written by orbax-checkpoint; cairn does not change it"
+                )
 
         def update() -> None:
             with self._lock:
@@ -1003,6 +1012,13 @@ class CheckpointManager:
         """Delete a committed step (after pending commits): rename to trash, then remove."""
         self._check_writable("delete")
         step = as_step(step)
+
+        with self._lock:
+            foreign = step in self._steps and self._steps[step].foreign
+        if foreign:
+            raise ReadOnlyError(
+                f"step {step} was written by orbax-checkpoint; cairn does not change it"
+            )
 
         def remove() -> None:
             with self._lock:
@@ -1088,6 +1104,9 @@ class CheckpointManager:
         try:
             manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), where)
         except FileNotFoundError:
+            orbax = _orbax_step(step, path)
+            if orbax is not None:
+                return _Step(orbax, foreign=True)
             missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
             return _Step(None, CorruptCheckpointError(missing))
         except OSError as e:
@@ -1172,6 +1191,55 @@ def _finish_at_exit() -> None:
 _register_before_shutdown = getattr(threading, "_register_atexit", None)
 if _register_before_shutdown is not None:
     _register_before_shutdown(_finish_at_exit)
+
+
+def _orbax_step(step: int, path: Path) -> Manifest | None:
+    """A read-only manifest for a step directory orbax-checkpoint wrote, or None if it is not one.
+
+    Orbax marks a finished step with ``commit_success.txt`` and describes it in
+    ``_CHECKPOINT_METADATA`` (item handlers, metrics, times); older versions only renamed it
+    into place, so a directory whose items Orbax would read counts too.
+    """
+    from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_item_kind
+
+    meta: dict[str, Any] = {}
+    try:
+        meta = json.loads(read_no_follow(path / STEP_METADATA))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        log.warning("cairn: ignoring unreadable %s: %s", path / STEP_METADATA, e)
+    items = {}
+    for child in sorted(path.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            kind = orbax_item_kind(child)
+            if kind is not None:
+                items[child.name] = ItemEntry(kind, 1, ())
+    marked = bool(meta) or (path / COMMIT_SUCCESS).is_file()
+    if not items or not (marked or any(e.handler == "orbax.pytree" for e in items.values())):
+        return None
+    metrics: dict[str, float] = {}
+    raw = meta.get("metrics")
+    if not (isinstance(raw, dict) and raw) and (path / "metrics" / "metrics").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            raw = json.loads((path / "metrics" / "metrics").read_bytes())
+    if isinstance(raw, dict):
+        metrics = {
+            k: float(v)
+            for k, v in raw.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+    mtime = path.stat().st_mtime
+    started = meta.get("init_timestamp_nsecs")
+    committed = meta.get("commit_timestamp_nsecs")
+    return Manifest(
+        step=step,
+        items=items,
+        started_at=started / 1e9 if isinstance(started, (int, float)) else mtime,
+        committed_at=committed / 1e9 if isinstance(committed, (int, float)) else mtime,
+        metrics=metrics,
+        metadata={"format": "orbax", "custom_metadata": meta.get("custom_metadata") or {}},
+    )
 
 
 def _uses_time(policy: Any) -> bool:

@@ -1,0 +1,131 @@
+"""Checkpoints written by the real orbax-checkpoint package, read by CheckpointManager."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorflow as tf
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cairn.manager import CheckpointManager, KeepLatest, ReadOnlyError
+
+
+def tree(step: int) -> dict[str, Any]:
+    return {
+        "params": {"w": jnp.arange(12.0).reshape(3, 4) * step, "b": np.full(3, step, np.float32)},
+        "step": step,
+    }
+
+
+def write_orbax(directory: Path, steps: list[int], **options: Any) -> None:
+    """An Orbax CheckpointManager run: item "state" (StandardSave unless pytree_save), metrics."""
+    pytree_save = options.pop("pytree_save", False)
+    handlers = {}
+    if options.pop("no_ocdbt", False):
+        handlers["item_handlers"] = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)}
+        pytree_save = True
+    opts = ocp.CheckpointManagerOptions(
+        best_fn=lambda m: m["loss"], best_mode="min", enable_async_checkpointing=False, **options
+    )
+    mgr = ocp.CheckpointManager(directory, options=opts, **handlers)
+    for step in steps:
+        item = ocp.args.PyTreeSave(tree(step)) if pytree_save else ocp.args.StandardSave(tree(step))
+        mgr.save(step, args=ocp.args.Composite(state=item), metrics={"loss": 1.0 / (step + 1)})
+    mgr.wait_until_finished()
+    mgr.close()
+
+
+def assert_tree(got: Any, step: int) -> None:
+    want = tree(step)
+    np.testing.assert_array_equal(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]))
+    np.testing.assert_array_equal(np.asarray(got["params"]["b"]), want["params"]["b"])
+    assert int(got["step"]) == step
+
+
+@pytest.mark.parametrize(
+    ("layout", "options", "prefix"),
+    [
+        ("standard, OCDBT, no prefix", {}, ""),
+        ("pytree, OCDBT, prefix", {"step_prefix": "checkpoint", "pytree_save": True}, "checkpoint"),
+        ("pytree, no OCDBT", {"no_ocdbt": True}, ""),
+    ],
+)
+def test_orbax_steps_list_and_restore(
+    tmp_path: Path, layout: str, options: dict[str, Any], prefix: str
+) -> None:
+    write_orbax(tmp_path, [1, 2, 3], **options)
+    with CheckpointManager(
+        tmp_path, read_only=True, step_prefix=prefix, best=("loss", "min")
+    ) as mgr:
+        assert mgr.all_steps() == [1, 2, 3], layout
+        assert mgr.best_step() == 3  # from Orbax's metrics
+        assert mgr.metrics(2) == {"loss": 1.0 / 3}
+        assert mgr.info(3).metadata["format"] == "orbax"
+        assert mgr.info(3).items["state"].handler == "orbax.pytree"
+        assert_tree(mgr.restore()["state"], 3)
+        mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+        sharding = NamedSharding(mesh, P("d", None))
+        target = {
+            "params": {
+                "w": jax.ShapeDtypeStruct((3, 4), jnp.float32, sharding=sharding),
+                "b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=NamedSharding(mesh, P())),
+            },
+            "step": 0,
+        }
+        got = mgr.restore(2, {"state": target})["state"]
+        assert got["params"]["w"].sharding == sharding
+        assert_tree(got, 2)
+
+
+def test_a_writer_never_changes_orbax_steps(tmp_path: Path) -> None:
+    write_orbax(tmp_path, [1, 2], step_prefix="checkpoint")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with CheckpointManager(tmp_path, keep=KeepLatest(1), best=("loss", "min")) as mgr:
+        assert mgr.best_step() == 2
+        mgr.save(3, {"state": {"w": np.ones(2)}})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3]  # retention leaves Orbax steps alone
+        with pytest.raises(ReadOnlyError, match="written by orbax-checkpoint"):
+            mgr.delete(1)
+        with pytest.raises(ReadOnlyError, match="written by orbax-checkpoint"):
+            mgr.record_metrics(2, {"eval": 1.0})
+    after = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    assert set(before) <= after
+
+
+def test_t5x_orbax_layout_with_its_dataset_item(tmp_path: Path) -> None:
+    """T5X's OrbaxCheckpointManagerInterface writes checkpoint_<step>/state/ (PyTreeSave) and
+    checkpoint_<step>/dataset/train_ds-000-of-001.* (a tf.train.Checkpoint of the iterator)."""
+    write_orbax(tmp_path, [4], step_prefix="checkpoint", pytree_save=True)
+    ds = tf.data.Dataset.range(100).shuffle(10, seed=1).batch(3)
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    tf.train.Checkpoint(ds=it).write(
+        str(tmp_path / "checkpoint_4" / "dataset" / "train_ds-000-of-001")
+    )
+    expect = next(it).numpy()
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.info(4).items["dataset"].handler == "orbax.tf_dataset"
+        fresh = iter(ds)
+        got = mgr.restore(4, {"state": None, "dataset": fresh})
+        assert_tree(got["state"], 4)
+        assert got["dataset"] is fresh
+        np.testing.assert_array_equal(next(fresh).numpy(), expect)
+
+
+def test_orbax_temporary_directories_are_not_steps(tmp_path: Path) -> None:
+    write_orbax(tmp_path, [1])
+    (tmp_path / "2.orbax-checkpoint-tmp-1234").mkdir()
+    with CheckpointManager(tmp_path, step_prefix="") as mgr:
+        assert mgr.all_steps() == [1]
+    assert (tmp_path / "2.orbax-checkpoint-tmp-1234").exists()  # not ours to remove
+    assert os.listdir(tmp_path / "1")
