@@ -1104,7 +1104,10 @@ class CheckpointManager:
         try:
             manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), where)
         except FileNotFoundError:
-            orbax = _orbax_step(step, path)
+            try:
+                orbax = _orbax_step(step, path)
+            except FileNotFoundError:  # the step was deleted while being listed
+                orbax = None
             if orbax is not None:
                 return _Step(orbax, foreign=True)
             missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
