@@ -3,7 +3,7 @@
 from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest
 """
 
-from cairn.manager import errors, speechbrain, t5x
+from cairn.manager import errors, orbax, speechbrain, t5x
 from cairn.manager._format import FORMAT_VERSION
 from cairn.manager._manager import CheckpointManager, ItemInfo, StepInfo
 from cairn.manager._policies import (
@@ -65,6 +65,7 @@ __all__ = [
     "StepView",
     "UnsupportedFormatError",
     "errors",
+    "orbax",
     "speechbrain",
     "t5x",
 ]
