@@ -1,7 +1,8 @@
-"""The ``cairn`` command line (first version: ``cairn verify``).
+"""The ``cairn`` command line: ls, show, verify, metrics, gc, rm.
 
-Directories are opened read-only. A bad argument or an unusable directory is one line on stderr
-and exit status 2, never a traceback; damage found by ``verify`` is exit status 1.
+Directories are opened read-only, except by ``gc`` (without ``--dry-run``) and ``rm``. A bad
+argument or an unusable directory is one line on stderr and exit status 2, never a traceback;
+damage found by ``verify`` is exit status 1. ``--json`` prints data for scripts.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ class _UsageError(Exception):
     pass
 
 
-def _open(directory: str, step_prefix: str) -> CheckpointManager:
+def _open(directory: str, step_prefix: str, *, writable: bool = False) -> CheckpointManager:
     if "://" in directory:  # an object store: the manager says what is wrong with it
         try:
-            return CheckpointManager(directory, read_only=True, step_prefix=step_prefix)
+            return CheckpointManager(directory, read_only=not writable, step_prefix=step_prefix)
         except Exception as e:  # a bad URL, no such bucket, no credentials, no network
             raise _UsageError(f"{directory}: {type(e).__name__}: {e}") from None
     path = Path(directory)
@@ -34,9 +35,241 @@ def _open(directory: str, step_prefix: str) -> CheckpointManager:
     if not path.is_dir():
         raise _UsageError(f"{directory}: not a directory")
     try:
-        return CheckpointManager(path, read_only=True, step_prefix=step_prefix)
+        return CheckpointManager(path, read_only=not writable, step_prefix=step_prefix)
     except (OSError, ValueError, TypeError, CairnError) as e:
         raise _UsageError(f"{directory}: {e}") from None
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _when(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _step_arg(mgr: CheckpointManager, step: int, directory: str) -> int:
+    if step not in mgr.all_steps():
+        raise _UsageError(f"{directory}: no step {step} (steps: {mgr.all_steps()})")
+    return step
+
+
+def _keep_policy(args: argparse.Namespace) -> Any:
+    """The keep policy the gc/ls options describe, or None when none is given."""
+    from cairn.manager._policies import AnyOf, KeepBest, KeepEvery, KeepLatest
+
+    parts: list[Any] = []
+    try:
+        if args.keep_latest is not None:
+            parts.append(KeepLatest(args.keep_latest))
+        if args.keep_best is not None:
+            if not args.metric:
+                raise _UsageError("--keep-best needs --metric NAME")
+            parts.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
+        if args.keep_every is not None:
+            parts.append(KeepEvery(steps=args.keep_every))
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else AnyOf(*parts)
+
+
+def _kept_by(policy: Any, views: list[Any]) -> dict[int, list[str]]:
+    """For each step, the parts of `policy` that keep it (the newest is always kept)."""
+    from cairn.manager._policies import AnyOf
+
+    parts: list[Any] = list(policy.policies) if isinstance(policy, AnyOf) else [policy]
+    reasons: dict[int, list[str]] = {v.step: [] for v in views}
+    for part in parts:
+        for step in part.keep(views):
+            reasons[step].append(type(part).__name__)
+    if views:
+        reasons[max(v.step for v in views)].append("newest")
+    return reasons
+
+
+def _views(mgr: CheckpointManager) -> list[Any]:
+    from cairn.manager._policies import StepView
+
+    views = []
+    for step in mgr.all_steps():
+        with contextlib.suppress(CairnError):
+            info = mgr.info(step)
+            views.append(StepView(step, info.started_at, dict(info.metrics)))
+    return views
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    policy = _keep_policy(args)
+    rows: list[dict[str, Any]] = []
+    with _open(args.directory, args.step_prefix) as mgr:
+        reasons = _kept_by(policy, _views(mgr)) if policy is not None else {}
+        for step in mgr.all_steps():
+            row: dict[str, Any] = {"step": step}
+            try:
+                info = mgr.info(step)
+            except CairnError as e:
+                row.update(status=f"damaged: {e}")
+                rows.append(row)
+                continue
+            problems = []
+            if args.verify:
+                problems = mgr.verify(step)
+            row.update(
+                committed_at=info.committed_at,
+                bytes=info.bytes,
+                metrics=dict(info.metrics),
+                items=sorted(n for n, i in info.items.items() if not i.dropped),
+                status=("damaged: " + problems[0])
+                if problems
+                else ("ok" if args.verify else "listed"),
+            )
+            if info.metadata.get("format") == "orbax":
+                row["format"] = "orbax"
+            if policy is not None:
+                row["kept_by"] = reasons.get(step, [])
+            rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = Table(title=str(args.directory))
+    for column in ("step", "committed", "size", "metrics", "items", "status"):
+        table.add_column(column, justify="right" if column in ("step", "size") else "left")
+    if policy is not None:
+        table.add_column("kept by")
+    for row in rows:
+        cells = [
+            str(row["step"]),
+            _when(row["committed_at"]) if "committed_at" in row else "-",
+            _size(row["bytes"]) if "bytes" in row else "-",
+            " ".join(f"{k}={v:.4g}" for k, v in row.get("metrics", {}).items()),
+            ",".join(row.get("items", [])),
+            row["status"],
+        ]
+        if policy is not None:
+            cells.append(", ".join(row.get("kept_by", [])) or "(gc would delete)")
+        table.add_row(*cells)
+    Console(highlight=False, width=160).print(table)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _open(args.directory, args.step_prefix) as mgr:
+        step = _step_arg(mgr, args.step, args.directory)
+        try:
+            info, described = mgr.info(step), mgr.describe(step)
+        except CairnError as e:
+            raise _UsageError(f"{args.directory}: step {step}: {e}") from None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "metrics": dict(info.metrics),
+                    "metadata": dict(info.metadata),
+                    "items": described,
+                },
+                indent=1,
+                default=str,
+            )
+        )
+        return 0
+    print(f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}")
+    if info.metrics:
+        print("  metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items()))
+    for name, item in described.items():
+        print(
+            f"  item {name!r}: {item.get('kind', item.get('handler'))}, {_size(item.get('bytes') or 0)}"
+        )
+        for leaf in item.get("leaves", []):
+            if "shape" in leaf:
+                print(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}")
+            else:
+                print(f"    {leaf['path']}: {leaf.get('value')!r}")
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    with _open(args.directory, args.step_prefix) as mgr:
+        views = _views(mgr)
+    names = sorted({k for v in views for k in v.metrics})
+    if args.json:
+        print(json.dumps([{"step": v.step, **dict(v.metrics)} for v in views], indent=1))
+    else:
+        print("step " + " ".join(names))
+        for v in views:
+            print(
+                f"{v.step} "
+                + " ".join(f"{v.metrics[n]:.6g}" if n in v.metrics else "-" for n in names)
+            )
+    if args.plot:
+        metric = args.metric or (names[0] if names else None)
+        if metric is None:
+            raise _UsageError(f"{args.directory}: no metrics to plot")
+        if metric not in names:
+            raise _UsageError(f"{args.directory}: no metric {metric!r} (metrics: {names})")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        points = [(v.step, v.metrics[metric]) for v in views if metric in v.metrics]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], "o-", label=f"{metric} (kept steps)"
+        )
+        best = (min if args.mode == "min" else max)(points, key=lambda p: p[1])
+        ax.plot(
+            [best[0]], [best[1]], "r*", markersize=14, label=f"best ({args.mode}): step {best[0]}"
+        )
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.set_title(str(args.directory))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        plt.close(fig)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from cairn.manager._policies import steps_to_delete
+
+    policy = _keep_policy(args)
+    if policy is None:
+        raise _UsageError("gc needs a keep option: --keep-latest, --keep-best or --keep-every")
+    with _open(args.directory, args.step_prefix, writable=not args.dry_run) as mgr:
+        doomed = steps_to_delete(_views(mgr), policy)
+        for step in doomed:
+            print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
+            if not args.dry_run:
+                mgr.delete(step)
+        kept = [s for s in mgr.all_steps() if s not in doomed]
+    print(
+        f"{len(doomed)} steps {'would be ' if args.dry_run else ''}deleted, {len(kept)} kept: {kept}"
+    )
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    with _open(args.directory, args.step_prefix, writable=True) as mgr:
+        step = _step_arg(mgr, args.step, args.directory)
+        try:
+            mgr.delete(step)
+        except CairnError as e:
+            raise _UsageError(f"{args.directory}: step {step}: {e}") from None
+    print(f"deleted step {step}")
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -84,23 +317,52 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if damaged else 0
 
 
+def _keep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-latest", type=int, default=None, metavar="N")
+    p.add_argument("--keep-best", type=int, default=None, metavar="N")
+    p.add_argument("--metric", default=None, help="the metric of --keep-best (and of --plot)")
+    p.add_argument("--mode", choices=["min", "max"], default="min")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep multiples of K")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cairn", description="Inspect and check cairn checkpoint directories."
+        prog="cairn", description="Inspect, check and clean up cairn checkpoint directories."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser(
+
+    def command(name: str, run: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("directory", help="a checkpoint directory or s3:// URL")
+        p.add_argument("--step-prefix", default="checkpoint", help="as the manager's step_prefix")
+        p.set_defaults(run=run)
+        return p
+
+    ls = command("ls", _ls, "list the steps: time, size, metrics, items, status")
+    ls.add_argument("--verify", action="store_true", help="read every file (slow) for the status")
+    ls.add_argument("--json", action="store_true", help="a JSON list of objects with a 'step' key")
+    _keep_options(ls)
+    show = command("show", _show, "one step: its items, and the arrays with shapes and dtypes")
+    show.add_argument("step", type=int)
+    show.add_argument("--json", action="store_true")
+    metrics = command("metrics", _metrics, "metrics by step; --plot writes a PNG")
+    metrics.add_argument("--plot", default=None, metavar="OUT.png")
+    metrics.add_argument("--metric", default=None)
+    metrics.add_argument("--mode", choices=["min", "max"], default="min")
+    metrics.add_argument("--json", action="store_true")
+    gc = command("gc", _gc, "delete the steps a keep policy does not keep (the newest stays)")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    _keep_options(gc)
+    rm = command("rm", _rm, "delete one step")
+    rm.add_argument("step", type=int)
+    verify = command(
         "verify",
-        help="read every file of every step (or --step N) and check sizes and checksums",
-        description="Read every file of every committed step and check it against the "
-        "manifest (size and crc32c). Exit status 0: all intact; 1: damage found (each damaged "
-        "file is named); 2: bad arguments or directory.",
+        _verify,
+        "read every file of every step (or --step N) and check sizes and checksums; exit 0: all "
+        "intact, 1: damage found (each damaged file named), 2: bad arguments or directory",
     )
-    verify.add_argument("directory")
     verify.add_argument("--step", type=int, default=None, help="verify only this step")
     verify.add_argument("--json", action="store_true", help="print a JSON list, one per step")
-    verify.add_argument("--step-prefix", default="checkpoint", help=argparse.SUPPRESS)
-    verify.set_defaults(run=_verify)
     return parser
 
 

@@ -907,6 +907,27 @@ class CheckpointManager:
         self._check_still_there(step, step_dir)
         return problems
 
+    def describe(self, step: Any) -> dict[str, dict[str, Any]]:
+        """What each item of a committed step holds, from its handler's ``describe``: for array
+        trees every leaf with its key path, shape and dtype, and the bytes. Dropped items are
+        reported as such."""
+        step = as_step(step)
+        self._wait_if_inflight(step)
+        manifest = self._manifest(step)
+        step_dir = self._root / self._names.format(step)
+        live = [n for n, e in manifest.items.items() if not e.dropped]
+        if self._store is not None:
+            step_dir = self._fetch(step, manifest, live)
+        out: dict[str, dict[str, Any]] = {}
+        for name, entry in manifest.items.items():
+            if entry.dropped:
+                out[name] = {"kind": "dropped", "handler": entry.handler}
+                continue
+            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
+            handler = self._handlers.get(name) or handler_by_id(entry.handler)
+            out[name] = {"handler": entry.handler, **handler.describe(stored)}
+        return out
+
     def info(self, step: Any) -> StepInfo:
         """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
         step = as_step(step)

@@ -92,3 +92,59 @@ def test_module_entry_point(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0 and out.stdout.endswith("3 steps checked, 0 damaged\n")
+
+
+def losses(root: Path) -> None:
+    with CheckpointManager(root) as mgr:
+        for step, loss in enumerate([1.0, 0.5, 0.1, 0.25, 0.2]):
+            mgr.save(step, {"state": {"w": np.full((4, 4), step), "b": 3}}, metrics={"loss": loss})
+
+
+def test_ls_json_and_kept_by(tmp_path: Path) -> None:
+    losses(tmp_path)
+    rows = json.loads(cairn("ls", str(tmp_path), "--json").stdout)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[2]["metrics"] == {"loss": 0.1} and rows[2]["items"] == ["state"]
+    policy = ["--keep-latest", "2", "--keep-best", "1", "--metric", "loss", "--verify"]
+    rows = json.loads(cairn("ls", str(tmp_path), *policy, "--json").stdout)
+    assert {r["step"]: r["kept_by"] for r in rows} == {
+        0: [],
+        1: [],
+        2: ["KeepBest"],
+        3: ["KeepLatest"],
+        4: ["KeepLatest", "newest"],
+    }
+    assert {r["status"] for r in rows} == {"ok"}
+    table = cairn("ls", str(tmp_path), *policy)
+    assert table.returncode == 0 and "(gc would delete)" in table.stdout
+
+
+def test_show_metrics_plot_gc_rm(tmp_path: Path) -> None:
+    losses(tmp_path)
+    show = cairn("show", str(tmp_path), "3")
+    assert show.returncode == 0
+    assert "item 'state': train-state" in show.stdout and "['w']: <i8[4, 4]" in show.stdout
+    shown = json.loads(cairn("show", str(tmp_path), "3", "--json").stdout)
+    assert shown["items"]["state"]["handler"] == "cairn.train_state"
+    plot = tmp_path / "loss.png"
+    metrics = cairn("metrics", str(tmp_path), "--plot", str(plot))
+    assert metrics.returncode == 0 and metrics.stdout.splitlines()[:2] == ["step loss", "0 1"]
+    assert plot.stat().st_size > 5000 and plot.read_bytes()[:4] == b"\x89PNG"
+    dry = cairn("gc", str(tmp_path), "--keep-latest", "2", "--dry-run")
+    assert "would delete step 0" in dry.stdout and "3 steps would be deleted" in dry.stdout
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*"))[:1] == ["checkpoint_0"]
+    gc = cairn("gc", str(tmp_path), "--keep-latest", "2", "--keep-best", "1", "--metric", "loss")
+    assert gc.returncode == 0 and "2 steps deleted, 3 kept: [2, 3, 4]" in gc.stdout
+    assert cairn("rm", str(tmp_path), "3").stdout == "deleted step 3\n"
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.all_steps() == [2, 4]
+    for args, message in [
+        (("rm", str(tmp_path), "7"), "no step 7"),
+        (("gc", str(tmp_path)), "gc needs a keep option"),
+        (("gc", str(tmp_path), "--keep-best", "1"), "--keep-best needs --metric"),
+        (("gc", str(tmp_path), "--keep-latest", "0"), "n must be a positive int"),
+        (("metrics", str(tmp_path), "--plot", "x.png", "--metric", "acc"), "no metric 'acc'"),
+        (("show", str(tmp_path / "nope"), "1"), "no such directory"),
+    ]:
+        out = cairn(*args)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out
