@@ -36,7 +36,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.manager import _commit, _objectstore
+from cairn.manager import _commit, _objectstore, _telemetry
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -87,7 +87,9 @@ class StepInfo:
 
     `telemetry` holds ``blocked_s`` (time save() held the caller), ``write_s`` (item writes on the
     commit thread), ``bytes``, and, for steps this manager saved, ``commit_s`` (commit thread start
-    to rename done, retention excluded) and ``bytes_per_s``.
+    to rename done, retention excluded) and ``bytes_per_s``, and for steps it restored,
+    ``restore_s`` (the last restore). With ``tensorboard_dir=`` the same figures are written as
+    TensorBoard scalars under Orbax's names (``/jax/checkpoint/write/blocking_duration_secs``, ...).
     """
 
     step: int
@@ -163,6 +165,7 @@ class CheckpointManager:
         read_only: bool = False,
         barrier_timeout: float = 300.0,
         storage_options: Mapping[str, Any] | None = None,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         target = _check_directory(directory)
         self._root: Path = target if isinstance(target, Path) else Path()  # set below for URLs
@@ -196,6 +199,8 @@ class CheckpointManager:
             )
         self._async = async_save
         self._read_only = read_only
+        if tensorboard_dir is not None and not isinstance(tensorboard_dir, (str, os.PathLike)):
+            raise TypeError(f"tensorboard_dir must be a path, got {tensorboard_dir!r}")
         self._timeout = float(barrier_timeout)
         # Writers of a jax.distributed run coordinate; readers need not, but restore each
         # process's own per-process data (iterator positions).
@@ -208,6 +213,7 @@ class CheckpointManager:
         self._inflight: set[int] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._commit_telemetry: dict[int, dict[str, float]] = {}
+        self._restore_telemetry: dict[int, float] = {}
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reclaimer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -291,6 +297,7 @@ class CheckpointManager:
                 max_workers=1, thread_name_prefix="cairn-reclaim", initializer=lower_thread_priority
             )
         )
+        self._telemetry = _telemetry.Telemetry(tensorboard_dir)
         newest = self._newest_intact()
         self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
         preemption = [] if read_only else find_on_preemption(self._save_policy)
@@ -514,6 +521,8 @@ class CheckpointManager:
                 commit_s * 1e3,
                 size,
             )
+            with contextlib.suppress(Exception):  # telemetry never fails a commit
+                self._telemetry.committed(job.step, job.blocked_s, commit_s, size)
             try:
                 self._apply_retention()
             except Exception as e:
@@ -665,6 +674,7 @@ class CheckpointManager:
             self._closed = True
             if self._preemption is not None:
                 self._preemption.close()
+            self._telemetry.close()
             for pool in (self._executor, self._reclaimer):
                 if pool is not None:
                     pool.shutdown(wait=True)
@@ -756,6 +766,17 @@ class CheckpointManager:
         ) from newest_error
 
     def _restore_step(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
+        t0 = time.monotonic()
+        restored = self._read_items(step, wanted)
+        seconds = time.monotonic() - t0
+        with self._lock:
+            self._restore_telemetry[step] = seconds
+        log.info("cairn: restored step %d in %.1f ms", step, seconds * 1e3)
+        with contextlib.suppress(Exception):
+            self._telemetry.restored(step, seconds)
+        return restored
+
+    def _read_items(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
         manifest = self._manifest(step)
         step_dir = self._root / self._names.format(step)
         if wanted is None:
@@ -936,6 +957,8 @@ class CheckpointManager:
         with self._lock:
             metrics = rec.metrics
             telemetry = {**manifest.telemetry, **self._commit_telemetry.get(step, {})}
+            if step in self._restore_telemetry:
+                telemetry["restore_s"] = self._restore_telemetry[step]
         return StepInfo(
             step=step,
             path=(

@@ -597,3 +597,38 @@ def test_manifest_paths_must_stay_inside_the_step(tmp_path: Path) -> None:
         pytest.raises(CorruptCheckpointError, match="malformed"),
     ):
         mgr.restore(1)
+
+
+def test_telemetry_in_info_logs_and_tensorboard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each save's blocked/commit seconds, bytes and bytes/s, each restore's seconds: in info(),
+    in the log, and as TensorBoard scalars under Orbax's names."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    tb = tmp_path / "tb"
+    with (
+        caplog.at_level(logging.INFO, logger="cairn"),
+        CheckpointManager(tmp_path / "ck", tensorboard_dir=tb) as mgr,
+    ):
+        mgr.save(1, {"s": {"w": np.ones(10_000)}})
+        mgr.wait_until_finished()
+        mgr.restore(1)
+        t = mgr.info(1).telemetry
+    assert t["bytes"] > 80_000 and t["commit_s"] > 0 and t["restore_s"] > 0
+    assert t["bytes_per_s"] == pytest.approx(t["bytes"] / t["commit_s"])
+    assert "committed step 1: blocked" in caplog.text and "restored step 1 in" in caplog.text
+    seen = {}
+    for path in tb.glob("*tfevents*"):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                seen[value.tag] = float(tensor_util.make_ndarray(value.tensor))
+    assert set(seen) == {
+        "/jax/checkpoint/write/blocking_duration_secs",
+        "/jax/checkpoint/write/async/total_duration_secs",
+        "/jax/checkpoint/write/bytes",
+        "/jax/checkpoint/write/bytes_per_sec",
+        "/jax/checkpoint/read/duration_secs",
+    }
+    assert seen["/jax/checkpoint/write/bytes"] == t["bytes"]
