@@ -3,6 +3,7 @@ resumed each time, every loss equal to an uninterrupted run's bit for bit."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -29,3 +30,22 @@ def test_train_and_resume_example(tmp_path: Path, pipeline: str, seed: int) -> N
     assert kept[-1][0] == "60"
     assert [k[1] for k in kept] == ["dropped"] * (len(kept) - 2) + ["kept", "kept"]
     assert (tmp_path / "run" / "interrupted" / "tensorboard" / "train").is_dir()
+
+    # The command line on what the trainer left, as a person would run it.
+    ckpts = str(tmp_path / "run" / "interrupted" / "checkpoints")
+    cairn = str(Path(sys.executable).with_name("cairn"))
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([cairn, *args], capture_output=True, text=True, timeout=300)
+
+    listed = json.loads(run("ls", ckpts, "--json").stdout)
+    assert [int(r["step"]) for r in listed] == [int(k[0]) for k in kept]
+    assert all("eval_loss" in r["metrics"] for r in listed)
+    verify = run("verify", ckpts)
+    assert verify.returncode == 0 and verify.stdout.endswith(
+        f"{len(kept)} steps checked, 0 damaged\n"
+    )
+    show = run("show", ckpts, kept[-1][0])
+    assert "item 'state': train-state" in show.stdout and "item 'dataset'" in show.stdout
+    plot = tmp_path / "eval.png"
+    assert run("metrics", ckpts, "--plot", str(plot)).returncode == 0 and plot.stat().st_size > 0

@@ -159,3 +159,24 @@ def test_export_to_orbax_and_import_back(tmp_path: Path) -> None:
         assert restored["config"] == {"lr": 0.1}
     with pytest.raises(ValueError, match="no item 'nope'"):
         interop.export_step(tmp_path / "cairn", 9, tmp_path / "o2", items=["nope"])
+
+
+def test_the_command_line_on_an_orbax_directory(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    write_orbax(tmp_path, [1, 2], step_prefix="checkpoint")
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    rows = json.loads(
+        subprocess.run(
+            [cairn, "ls", str(tmp_path), "--json"], capture_output=True, text=True
+        ).stdout
+    )
+    assert [(r["step"], r["format"], r["metrics"]) for r in rows] == [
+        (1, "orbax", {"loss": 0.5}),
+        (2, "orbax", {"loss": 1 / 3}),
+    ]
+    out = subprocess.run([cairn, "verify", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert out.stdout.splitlines()[0] == "step 1: orbax step, no checksums to verify"
