@@ -41,28 +41,6 @@ from cairn.manager._format import TRASH_PREFIX, trash_name
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import check_item_name
 
-__all__ = [
-    "CKPT_PREFIX",
-    "DEFAULT_LOAD_HOOKS",
-    "DEFAULT_SAVE_HOOKS",
-    "DEFAULT_TRANSFER_HOOKS",
-    "METAFNAME",
-    "PARAMFILE_EXT",
-    "Checkpoint",
-    "Checkpointer",
-    "average_checkpoints",
-    "average_state_dicts",
-    "ckpt_recency",
-    "get_default_hook",
-    "mark_as_loader",
-    "mark_as_saver",
-    "mark_as_transfer",
-    "register_checkpoint_hooks",
-    "torch_parameter_transfer",
-    "torch_recovery",
-    "torch_save",
-]
-
 log = logging.getLogger("cairn")
 
 CKPT_PREFIX = "CKPT"
@@ -230,44 +208,31 @@ DEFAULT_LOAD_HOOKS: dict[type, Callable[..., Any]] = _DefaultHooks("load")
 DEFAULT_TRANSFER_HOOKS: dict[type, Callable[..., Any]] = _DefaultHooks("transfer")
 
 
-def _check_signature(method: Any, args: tuple[Any, ...], message: str) -> None:
+def _mark(method: Callable[..., Any], args: tuple[Any, ...], message: str, attr: str) -> Any:
     try:
-        inspect.signature(method).bind(*args)
+        inspect.signature(method).bind(object(), pathlib.Path("testpath"), *args)
     except TypeError:
         raise TypeError(message) from None
+    setattr(method, attr, True)
+    return method
 
 
 def mark_as_saver(method: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a method ``(self, path)`` as its class's save hook (with @register_checkpoint_hooks)."""
-    _check_signature(
-        method,
-        (object(), pathlib.Path("testpath")),
-        "Checkpoint saver must match signature (instance, path)",
-    )
-    method._speechbrain_saver = True  # type: ignore[attr-defined]
-    return method
+    message = "Checkpoint saver must match signature (instance, path)"
+    return _mark(method, (), message, "_speechbrain_saver")
 
 
 def mark_as_loader(method: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a method ``(self, path, end_of_epoch)`` as its class's load hook."""
-    _check_signature(
-        method,
-        (object(), pathlib.Path("testpath"), True),
-        "Checkpoint loader must have signature (self, path, end_of_epoch)",
-    )
-    method._speechbrain_loader = True  # type: ignore[attr-defined]
-    return method
+    message = "Checkpoint loader must have signature (self, path, end_of_epoch)"
+    return _mark(method, (True,), message, "_speechbrain_loader")
 
 
 def mark_as_transfer(method: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a method ``(self, path)`` as its class's parameter-transfer hook."""
-    _check_signature(
-        method,
-        (object(), pathlib.Path("testpath")),
-        "Transfer hook must have signature (self, path)",
-    )
-    method._speechbrain_transfer = True  # type: ignore[attr-defined]
-    return method
+    message = "Transfer hook must have signature (self, path)"
+    return _mark(method, (), message, "_speechbrain_transfer")
 
 
 def register_checkpoint_hooks(cls: type, save_on_main_only: bool = True) -> type:

@@ -40,21 +40,6 @@ from cairn.manager._policies import (
 )
 from cairn.manager._validate import as_step
 
-__all__ = [
-    "Checkpointer",
-    "DatasetCheckpointHandler",
-    "OrbaxCheckpointManagerInterface",
-    "SaveBestCheckpointer",
-    "all_dataset_checkpoint_steps",
-    "all_steps",
-    "find_checkpoint",
-    "get_checkpoint_dir",
-    "get_step_from_checkpoint_dir",
-    "latest_step",
-    "load_t5x_checkpoint",
-    "populate_metrics_for_steps",
-]
-
 log = logging.getLogger("cairn")
 
 STATE, DATASET, PREFIX = "state", "dataset", "checkpoint"
