@@ -91,8 +91,10 @@ class OrbaxPyTreeHandler(_ReadOnly):
             )
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"{where}: {e}") from e
-        except ValueError as e:
-            raise MismatchError(f"{where}: orbax could not restore it into the target: {e}") from e
+        except (ValueError, TypeError, OSError) as e:  # e.g. an ArraySave item, another target
+            raise MismatchError(
+                f"{where}: orbax could not restore it: {type(e).__name__}: {e}"
+            ) from e
 
 
 class OrbaxJsonHandler(_ReadOnly):

@@ -280,8 +280,8 @@ def commit_step(store: ObjectStore, staging: Path, names: StepNames, job: SaveJo
 def scan(
     store: ObjectStore, names: StepNames
 ) -> tuple[dict[int, tuple[bytes, bytes | None]], list[str]]:
-    """Committed steps (manifest bytes, metrics.json bytes or None) and the prefixes of steps
-    without a manifest (leftovers of a writer that died before its commit)."""
+    """Committed steps (manifest bytes, metrics.json bytes or None) and the prefixes a cairn
+    writer claimed but never committed (it died before writing the manifest)."""
     by_step: dict[int, set[str]] = {}
     for key in store.list_keys():
         head, sep, rest = key.partition("/")
@@ -293,7 +293,10 @@ def scan(
         name = names.format(step)
         manifest = store.read(f"{name}/{MANIFEST}") if MANIFEST in rests else None
         if manifest is None:
-            leftovers.append(name)
+            # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say, an
+            # Orbax step) is not ours to delete, and not a step we can read.
+            if CLAIM in rests:
+                leftovers.append(name)
             continue
         metrics = store.read(f"{name}/{METRICS}") if METRICS in rests else None
         committed[step] = (manifest, metrics)

@@ -249,3 +249,19 @@ def test_a_crash_inside_an_item_drop_is_cleaned_at_the_next_start(s3_bucket: str
         assert store.list_keys("checkpoint_1/data/") == []
         assert mgr.info(1).items["data"].dropped
         assert_tree_equal(mgr.restore(1)["state"], state(1))
+
+
+def test_a_writer_leaves_foreign_prefixes_alone(s3_bucket: str) -> None:
+    """Only prefixes cairn claimed count as its leftovers: an Orbax step (or anything else) in the
+    same bucket prefix is never deleted by a starting writer."""
+    url = f"{s3_bucket}/shared"
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store.write("checkpoint_7/commit_success.txt", b"")
+    store.write("checkpoint_7/state/_METADATA", b"{}")
+    store.write("checkpoint_9/.claim", b"crashed")  # a cairn save that died before its commit
+    store.write("checkpoint_9/state/tree.json", b"{}")
+    with CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == []
+    keys = store.list_keys()
+    assert "checkpoint_7/state/_METADATA" in keys
+    assert not [k for k in keys if k.startswith("checkpoint_9/")]
