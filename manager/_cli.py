@@ -162,6 +162,17 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leaf_bytes(leaf: dict[str, Any]) -> int | None:
+    import math
+
+    from cairn.handlers._tree import dtype_from_name
+
+    try:
+        return math.prod(leaf["shape"]) * dtype_from_name(leaf["dtype"]).itemsize
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
 def _show(args: argparse.Namespace) -> int:
     with _open(args.directory, args.step_prefix) as mgr:
         step = _step_arg(mgr, args.step, args.directory)
@@ -192,7 +203,9 @@ def _show(args: argparse.Namespace) -> int:
         )
         for leaf in item.get("leaves", []):
             if "shape" in leaf:
-                print(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}")
+                nbytes = _leaf_bytes(leaf)
+                size = f", {_size(nbytes)}" if nbytes is not None else ""
+                print(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}{size}")
             else:
                 print(f"    {leaf['path']}: {leaf.get('value')!r}")
     return 0

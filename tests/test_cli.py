@@ -123,7 +123,7 @@ def test_show_metrics_plot_gc_rm(tmp_path: Path) -> None:
     losses(tmp_path)
     show = cairn("show", str(tmp_path), "3")
     assert show.returncode == 0
-    assert "item 'state': train-state" in show.stdout and "['w']: <i8[4, 4]" in show.stdout
+    assert "item 'state': train-state" in show.stdout and "['w']: <i8[4, 4], 128 B" in show.stdout
     shown = json.loads(cairn("show", str(tmp_path), "3", "--json").stdout)
     assert shown["items"]["state"]["handler"] == "cairn.train_state"
     plot = tmp_path / "loss.png"
