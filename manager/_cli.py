@@ -23,10 +23,14 @@ class _UsageError(Exception):
     pass
 
 
-def _open(directory: str, step_prefix: str, *, writable: bool = False) -> CheckpointManager:
+def _open(
+    directory: str, step_prefix: str, step_digits: int | None = None, *, writable: bool = False
+) -> CheckpointManager:
     if "://" in directory:  # an object store: the manager says what is wrong with it
         try:
-            return CheckpointManager(directory, read_only=not writable, step_prefix=step_prefix)
+            return CheckpointManager(
+                directory, read_only=not writable, step_prefix=step_prefix, step_digits=step_digits
+            )
         except Exception as e:  # a bad URL, no such bucket, no credentials, no network
             raise _UsageError(f"{directory}: {type(e).__name__}: {e}") from None
     path = Path(directory)
@@ -35,7 +39,9 @@ def _open(directory: str, step_prefix: str, *, writable: bool = False) -> Checkp
     if not path.is_dir():
         raise _UsageError(f"{directory}: not a directory")
     try:
-        return CheckpointManager(path, read_only=not writable, step_prefix=step_prefix)
+        return CheckpointManager(
+            path, read_only=not writable, step_prefix=step_prefix, step_digits=step_digits
+        )
     except (OSError, ValueError, TypeError, CairnError) as e:
         raise _UsageError(f"{directory}: {e}") from None
 
@@ -94,14 +100,16 @@ def _kept_by(policy: Any, views: list[Any]) -> dict[int, list[str]]:
     return reasons
 
 
-def _views(mgr: CheckpointManager) -> list[Any]:
+def _views(mgr: CheckpointManager, *, all_readable: bool = False) -> list[Any]:
+    """The steps retention considers: readable cairn steps (Orbax steps too with all_readable)."""
     from cairn.manager._policies import StepView
 
     views = []
     for step in mgr.all_steps():
         with contextlib.suppress(CairnError):
             info = mgr.info(step)
-            views.append(StepView(step, info.started_at, dict(info.metrics)))
+            if all_readable or info.metadata.get("format") != "orbax":
+                views.append(StepView(step, info.started_at, dict(info.metrics)))
     return views
 
 
@@ -111,7 +119,7 @@ def _ls(args: argparse.Namespace) -> int:
 
     policy = _keep_policy(args)
     rows: list[dict[str, Any]] = []
-    with _open(args.directory, args.step_prefix) as mgr:
+    with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         reasons = _kept_by(policy, _views(mgr)) if policy is not None else {}
         for step in mgr.all_steps():
             row: dict[str, Any] = {"step": step}
@@ -156,7 +164,13 @@ def _ls(args: argparse.Namespace) -> int:
             row["status"],
         ]
         if policy is not None:
-            cells.append(", ".join(row.get("kept_by", [])) or "(gc would delete)")
+            if row.get("format") == "orbax":
+                kept = "(Orbax: never deleted)"
+            elif "committed_at" not in row:
+                kept = "(damaged: gc skips it)"
+            else:
+                kept = ", ".join(row.get("kept_by", [])) or "(gc would delete)"
+            cells.append(kept)
         table.add_row(*cells)
     Console(highlight=False, width=160).print(table)
     return 0
@@ -174,7 +188,7 @@ def _leaf_bytes(leaf: dict[str, Any]) -> int | None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    with _open(args.directory, args.step_prefix) as mgr:
+    with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         step = _step_arg(mgr, args.step, args.directory)
         try:
             info, described = mgr.info(step), mgr.describe(step)
@@ -212,8 +226,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    with _open(args.directory, args.step_prefix) as mgr:
-        views = _views(mgr)
+    with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
+        views = _views(mgr, all_readable=True)
     names = sorted({k for v in views for k in v.metrics})
     if args.json:
         print(json.dumps([{"step": v.step, **dict(v.metrics)} for v in views], indent=1))
@@ -230,8 +244,10 @@ def _metrics(args: argparse.Namespace) -> int:
             raise _UsageError(f"{args.directory}: no metrics to plot")
         if metric not in names:
             raise _UsageError(f"{args.directory}: no metric {metric!r} (metrics: {names})")
-        import matplotlib
-
+        try:
+            import matplotlib
+        except ImportError:
+            raise _UsageError("--plot needs matplotlib: pip install matplotlib") from None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -261,7 +277,9 @@ def _gc(args: argparse.Namespace) -> int:
     policy = _keep_policy(args)
     if policy is None:
         raise _UsageError("gc needs a keep option: --keep-latest, --keep-best or --keep-every")
-    with _open(args.directory, args.step_prefix, writable=not args.dry_run) as mgr:
+    with _open(
+        args.directory, args.step_prefix, args.step_digits, writable=not args.dry_run
+    ) as mgr:
         doomed = steps_to_delete(_views(mgr), policy)
         for step in doomed:
             print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
@@ -275,7 +293,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    with _open(args.directory, args.step_prefix, writable=True) as mgr:
+    with _open(args.directory, args.step_prefix, args.step_digits, writable=True) as mgr:
         step = _step_arg(mgr, args.step, args.directory)
         try:
             mgr.delete(step)
@@ -290,7 +308,7 @@ def _verify(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     err = Console(stderr=True, highlight=False)
-    with _open(args.directory, args.step_prefix) as mgr:
+    with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         steps = mgr.all_steps()
         if args.step is not None:
             if args.step not in steps:
@@ -356,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("directory", help="a checkpoint directory or s3:// URL")
         p.add_argument("--step-prefix", default="checkpoint", help="as the manager's step_prefix")
+        p.add_argument(
+            "--step-digits", type=int, default=None, help="as the manager's step_digits (padding)"
+        )
         p.set_defaults(run=run)
         return p
 

@@ -315,7 +315,9 @@ def remove_dropped(store: ObjectStore, dropped: Mapping[str, Iterable[str]]) -> 
 
 
 def delete_step(store: ObjectStore, name: str) -> None:
-    """Retire a step: its manifest goes first (from then on it is no step), then its data."""
+    """Retire a step: a claim first (so that a crash part-way leaves a prefix the next writer
+    knows as cairn's and removes), then the manifest (from then on it is no step), then the rest."""
+    store.write(f"{name}/{CLAIM}", b"deleting")
     store.delete(f"{name}/{MANIFEST}")
     store.delete_prefix(f"{name}/")
 

@@ -148,3 +148,13 @@ def test_show_metrics_plot_gc_rm(tmp_path: Path) -> None:
     ]:
         out = cairn(*args)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out
+
+
+def test_padded_step_names(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, step_digits=6) as mgr:
+        mgr.save(7, {"state": {"w": np.ones(3)}})
+    assert json.loads(cairn("ls", str(tmp_path), "--json").stdout) == []
+    rows = json.loads(cairn("ls", str(tmp_path), "--step-digits", "6", "--json").stdout)
+    assert [r["step"] for r in rows] == [7]
+    bad = cairn("ls", str(tmp_path), "--step-digits", "0")
+    assert bad.returncode == 2 and "step_digits must be" in bad.stderr

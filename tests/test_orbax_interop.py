@@ -180,3 +180,23 @@ def test_the_command_line_on_an_orbax_directory(tmp_path: Path) -> None:
     out = subprocess.run([cairn, "verify", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0
     assert out.stdout.splitlines()[0] == "step 1: orbax step, no checksums to verify"
+
+
+def test_gc_leaves_orbax_steps_alone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    write_orbax(tmp_path, [1, 5], step_prefix="checkpoint")
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (6, 7, 8):
+            assert mgr.save(step, {"s": {"w": np.ones(2)}})
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    ls = subprocess.run(
+        [cairn, "ls", str(tmp_path), "--keep-latest", "1"], capture_output=True, text=True
+    )
+    assert ls.stdout.count("(Orbax: never deleted)") == 2
+    gc = subprocess.run(
+        [cairn, "gc", str(tmp_path), "--keep-latest", "1"], capture_output=True, text=True
+    )
+    assert gc.returncode == 0, gc.stderr
+    assert "2 steps deleted, 3 kept: [1, 5, 8]" in gc.stdout

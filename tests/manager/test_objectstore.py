@@ -265,3 +265,16 @@ def test_a_writer_leaves_foreign_prefixes_alone(s3_bucket: str) -> None:
     keys = store.list_keys()
     assert "checkpoint_7/state/_METADATA" in keys
     assert not [k for k in keys if k.startswith("checkpoint_9/")]
+
+
+def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/delcrash"
+    with CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": state(step)})
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store.write("checkpoint_1/.claim", b"deleting")  # what delete_step does first,
+    store.delete("checkpoint_1/_CHECKPOINT.json")  # and second; then the process died
+    with CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [2]
+    assert store.list_keys("checkpoint_1/") == []
