@@ -1,4 +1,4 @@
-"""The ``cairn`` command line: ls, show, verify, metrics, gc, rm.
+"""The ``cairn`` command line: ls, show, verify, metrics, gc, rm, export.
 
 Directories are opened read-only, except by ``gc`` (without ``--dry-run``) and ``rm``. A bad
 argument or an unusable directory is one line on stderr and exit status 2, never a traceback;
@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,14 +281,57 @@ def _gc(args: argparse.Namespace) -> int:
         args.directory, args.step_prefix, args.step_digits, writable=not args.dry_run
     ) as mgr:
         doomed = steps_to_delete(_views(mgr), policy)
-        for step in doomed:
-            print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
-            if not args.dry_run:
-                mgr.delete(step)
+        with _progress("deleting", len(doomed), quiet=args.dry_run) as advance:
+            for step in doomed:
+                print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
+                if not args.dry_run:
+                    mgr.delete(step)
+                advance(1)
         kept = [s for s in mgr.all_steps() if s not in doomed]
     print(
         f"{len(doomed)} steps {'would be ' if args.dry_run else ''}deleted, {len(kept)} kept: {kept}"
     )
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: float, *, quiet: bool = False) -> Iterator[Callable[[float], None]]:
+    """A progress bar on stderr when it is a terminal (never in pipes, logs or --json)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    err = Console(stderr=True, highlight=False)
+    with Progress(
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err,
+        transient=True,
+        disable=quiet or not err.is_terminal,
+    ) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from cairn.manager._orbax_interop import export_step
+
+    with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
+        _step_arg(mgr, args.step, args.directory)
+    try:
+        with _progress("exporting", 1) as advance:
+            out = export_step(
+                args.directory,
+                args.step,
+                args.destination,
+                items=args.items,
+                step_prefix=args.orbax_step_prefix or None,
+                source_step_prefix=args.step_prefix,
+            )
+            advance(1)
+    except (ValueError, CairnError) as e:
+        raise _UsageError(f"{args.directory}: {e}") from None
+    print(f"exported step {args.step} to {out}")
     return 0
 
 
@@ -395,6 +438,15 @@ def _parser() -> argparse.ArgumentParser:
     gc = command("gc", _gc, "delete the steps a keep policy does not keep (the newest stays)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _keep_options(gc)
+    export = command(
+        "export", _export, "write one step as an Orbax step (orbax-checkpoint reads it)"
+    )
+    export.add_argument("step", type=int)
+    export.add_argument("destination", help="an Orbax checkpoint directory")
+    export.add_argument("--items", nargs="+", default=None, help="only these items")
+    export.add_argument(
+        "--orbax-step-prefix", default="", help="the Orbax step prefix (default: plain <step>)"
+    )
     rm = command("rm", _rm, "delete one step")
     rm.add_argument("step", type=int)
     verify = command(

@@ -200,3 +200,27 @@ def test_gc_leaves_orbax_steps_alone(tmp_path: Path) -> None:
     )
     assert gc.returncode == 0, gc.stderr
     assert "2 steps deleted, 3 kept: [1, 5, 8]" in gc.stdout
+
+
+def test_cairn_export_command(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    with CheckpointManager(tmp_path / "cairn") as mgr:
+        mgr.save(3, {"state": {"w": np.arange(4.0)}})
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    out = subprocess.run(
+        [cairn, "export", str(tmp_path / "cairn"), "3", str(tmp_path / "orbax")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"exported step 3 to {tmp_path / 'orbax' / '3'}\n"
+    with CheckpointManager(tmp_path / "orbax", read_only=True, step_prefix="") as orbax:
+        np.testing.assert_array_equal(orbax.restore(3)["state"]["w"], np.arange(4.0))
+    again = subprocess.run(
+        [cairn, "export", str(tmp_path / "cairn"), "3", str(tmp_path / "orbax")],
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 2 and "already has Orbax step 3" in again.stderr
