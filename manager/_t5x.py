@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -372,19 +373,50 @@ def populate_metrics_for_steps(
             break
     else:
         return {}
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
     found: dict[int, tuple[float, float]] = {}
     for file in files:
-        for event in EventFileLoader(str(file)).Load():
-            if event.step not in wanted:
-                continue
-            for value in event.summary.value:
-                number = _event_value(value) if value.tag == tag else None
-                later = event.step not in found or event.wall_time >= found[event.step][0]
-                if number is not None and later:
-                    found[event.step] = (event.wall_time, number)
+        for step, (wall_time, number) in _EVENTS.values(file, tag).items():
+            if step in wanted and (step not in found or wall_time >= found[step][0]):
+                found[step] = (wall_time, number)
     return {step: value for step, (_, value) in sorted(found.items())}
+
+
+class _EventCache:
+    """Values read from TensorBoard event files, by file and tag, read incrementally.
+
+    SaveBestCheckpointer asks at every retention; re-reading whole event files each time (as T5X
+    does) costs O(history) per save. One loader per file keeps its position, so each call reads
+    only the events appended since the last. A file that shrank (replaced) is read afresh.
+    Threads: the commit thread and the caller's may both ask; one lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, tuple[Any, int, dict[str, dict[int, tuple[float, float]]]]] = {}
+
+    def values(self, file: Path, tag: str) -> dict[int, tuple[float, float]]:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        key = str(file)
+        with self._lock:
+            size = file.stat().st_size
+            loader, seen, by_tag = self._files.get(key, (None, 0, {}))
+            if loader is None or size < seen:
+                loader, by_tag = EventFileLoader(key), {}
+            for event in loader.Load():  # only the events after the last call's
+                for value in event.summary.value:
+                    number = _event_value(value)
+                    if number is None:
+                        continue
+                    steps = by_tag.setdefault(value.tag, {})
+                    old = steps.get(event.step)
+                    if old is None or event.wall_time >= old[0]:  # a step written twice: the later
+                        steps[event.step] = (event.wall_time, number)
+            self._files[key] = (loader, size, by_tag)
+            return dict(by_tag.get(tag, {}))
+
+
+_EVENTS = _EventCache()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -459,3 +459,32 @@ def test_restore_only_checkpointer_with_an_empty_directory(tmp_path: Path) -> No
         with pytest.raises(ValueError, match="only restores by path"):
             reader.save(make_state(7))
         reader.close()
+
+
+def test_metrics_appended_to_an_event_file_are_seen(tmp_path: Path) -> None:
+    """SaveBestCheckpointer reads event files incrementally: events a live writer appends to the
+    same file after the first read are found by the next one."""
+    from tensorboard.util import tensor_util
+
+    writer = EventFileWriter(str(tmp_path / "eval"))
+
+    def add(step: int, value: float) -> None:
+        v = summary_pb2.Summary.Value(
+            tag="acc", tensor=tensor_util.make_tensor_proto(np.float32(value))
+        )
+        writer.add_event(
+            event_pb2.Event(
+                step=step, wall_time=time.time(), summary=summary_pb2.Summary(value=[v])
+            )
+        )
+        writer.flush()
+
+    add(1, 0.5)
+    assert checkpoints.populate_metrics_for_steps(tmp_path, "eval/acc", [1, 2]) == {1: 0.5}
+    add(2, 0.75)
+    add(1, 0.25)  # step 1 evaluated again later: the later value wins
+    assert checkpoints.populate_metrics_for_steps(tmp_path, "eval/acc", [1, 2]) == {
+        1: 0.25,
+        2: 0.75,
+    }
+    writer.close()
