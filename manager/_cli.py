@@ -100,17 +100,30 @@ def _kept_by(policy: Any, views: list[Any]) -> dict[int, list[str]]:
     return reasons
 
 
-def _views(mgr: CheckpointManager, *, all_readable: bool = False) -> list[Any]:
+def _infos(mgr: CheckpointManager, steps: Sequence[int] | None = None) -> dict[int, Any]:
+    """Each step's StepInfo, read once, or the error that says why it cannot be read."""
+    infos: dict[int, Any] = {}
+    for step in mgr.all_steps() if steps is None else steps:
+        try:
+            infos[step] = mgr.info(step)
+        except CairnError as e:
+            infos[step] = e
+    return infos
+
+
+def _is_orbax(info: Any) -> bool:
+    return not isinstance(info, CairnError) and info.metadata.get("format") == "orbax"
+
+
+def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:
     """The steps retention considers: readable cairn steps (Orbax steps too with all_readable)."""
     from cairn.manager._policies import StepView
 
-    views = []
-    for step in mgr.all_steps():
-        with contextlib.suppress(CairnError):
-            info = mgr.info(step)
-            if all_readable or info.metadata.get("format") != "orbax":
-                views.append(StepView(step, info.started_at, dict(info.metrics)))
-    return views
+    return [
+        StepView(step, info.started_at, dict(info.metrics))
+        for step, info in infos.items()
+        if not isinstance(info, CairnError) and (all_readable or not _is_orbax(info))
+    ]
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -120,13 +133,12 @@ def _ls(args: argparse.Namespace) -> int:
     policy = _keep_policy(args)
     rows: list[dict[str, Any]] = []
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
-        reasons = _kept_by(policy, _views(mgr)) if policy is not None else {}
-        for step in mgr.all_steps():
+        infos = _infos(mgr)
+        reasons = _kept_by(policy, _views(infos)) if policy is not None else {}
+        for step, info in infos.items():
             row: dict[str, Any] = {"step": step}
-            try:
-                info = mgr.info(step)
-            except CairnError as e:
-                row.update(status=f"damaged: {e}")
+            if isinstance(info, CairnError):
+                row.update(status=f"damaged: {info}")
                 rows.append(row)
                 continue
             problems = []
@@ -141,7 +153,7 @@ def _ls(args: argparse.Namespace) -> int:
                 if problems
                 else ("ok" if args.verify else "listed"),
             )
-            if info.metadata.get("format") == "orbax":
+            if _is_orbax(info):
                 row["format"] = "orbax"
             if policy is not None:
                 row["kept_by"] = reasons.get(step, [])
@@ -227,7 +239,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _metrics(args: argparse.Namespace) -> int:
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
-        views = _views(mgr, all_readable=True)
+        views = _views(_infos(mgr), all_readable=True)
     names = sorted({k for v in views for k in v.metrics})
     if args.json:
         print(json.dumps([{"step": v.step, **dict(v.metrics)} for v in views], indent=1))
@@ -280,7 +292,7 @@ def _gc(args: argparse.Namespace) -> int:
     with _open(
         args.directory, args.step_prefix, args.step_digits, writable=not args.dry_run
     ) as mgr:
-        doomed = steps_to_delete(_views(mgr), policy)
+        doomed = steps_to_delete(_views(_infos(mgr)), policy)
         with _progress("deleting", len(doomed), quiet=args.dry_run) as advance:
             for step in doomed:
                 print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
@@ -295,16 +307,24 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _progress(what: str, total: float, *, quiet: bool = False) -> Iterator[Callable[[float], None]]:
+def _progress(
+    what: str, total: float, *, quiet: bool = False, in_bytes: bool = False
+) -> Iterator[Callable[[float], None]]:
     """A progress bar on stderr when it is a terminal (never in pipes, logs or --json)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+    )
 
     err = Console(stderr=True, highlight=False)
     with Progress(
         TextColumn(what),
         BarColumn(),
-        MofNCompleteColumn(),
+        DownloadColumn() if in_bytes else MofNCompleteColumn(),
         console=err,
         transient=True,
         disable=quiet or not err.is_terminal,
@@ -347,40 +367,23 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    err = Console(stderr=True, highlight=False)
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         steps = mgr.all_steps()
         if args.step is not None:
             if args.step not in steps:
                 raise _UsageError(f"{args.directory}: no step {args.step} (steps: {steps})")
             steps = [args.step]
-        total = 0
-        for step in steps:
-            with contextlib.suppress(CairnError):  # a damaged manifest: verify reports it
-                total += mgr.info(step).bytes
+        infos = _infos(mgr, steps)  # a damaged manifest counts no bytes: verify reports it
+        total = sum(i.bytes for i in infos.values() if not isinstance(i, CairnError))
         results: list[dict[str, Any]] = []
-        with Progress(
-            TextColumn("verifying"),
-            BarColumn(),
-            DownloadColumn(),
-            console=err,
-            transient=True,
-            disable=args.json or not err.is_terminal,
-        ) as progress:
-            task = progress.add_task("verify", total=total)
+        with _progress("verifying", total, quiet=args.json, in_bytes=True) as advance:
             for step in steps:
-                orbax = False
-                with contextlib.suppress(CairnError):
-                    orbax = mgr.info(step).metadata.get("format") == "orbax"
                 try:
-                    problems = mgr.verify(step, progress=lambda n: progress.advance(task, n))
+                    problems = mgr.verify(step, progress=advance)
                 except CairnError as e:  # deleted meanwhile by a writer
                     problems = [str(e)]
                 result = {"step": step, "ok": not problems, "problems": problems}
-                if orbax:
+                if _is_orbax(infos[step]):
                     result["format"] = "orbax"  # Orbax keeps no checksums: nothing to compare
                 results.append(result)
     damaged = [r for r in results if not r["ok"]]

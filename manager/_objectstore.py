@@ -15,6 +15,7 @@ reads them from there, with the usual checksums.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -137,10 +138,13 @@ class ObjectStore:
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
         """Create the object only if it does not exist (If-None-Match); False if it did."""
-        existing, generation = self.read_with_generation(key)
-        if existing is not None:
-            return False
-        return self.write(key, data, if_generation=generation)  # the missing key's generation
+        return self.write(key, data, if_generation=self._no_value)
+
+    @functools.cached_property
+    def _no_value(self) -> Any:
+        """The generation TensorStore gives a missing key; as a write condition it means "only if
+        absent". The same for every key: read once from a key that never exists."""
+        return self._kv.read(".cairn-no-such-key").result().stamp.generation
 
     def delete(self, key: str) -> None:
         self._kv.write(key, None).result()

@@ -575,13 +575,16 @@ class Checkpointer:
         path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
         kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
         log.log(verbosity, "cairn.speechbrain: saved an %s checkpoint in %s", kind, path)
-        return Checkpoint(path, full_meta, self._paramfiles(path, items))
+        files = {n: isinstance(v, _Recoverable) for n, v in items.items()}
+        return Checkpoint(path, full_meta, self._paramfiles(path, files))
 
     @staticmethod
-    def _paramfiles(path: pathlib.Path, items: Mapping[str, Any]) -> dict[str, pathlib.Path]:
+    def _paramfiles(path: pathlib.Path, files: Mapping[str, bool]) -> dict[str, pathlib.Path]:
+        """Recoverable name -> its ``<name>.ckpt`` (`files[name]`) or its item directory (a
+        pytree item), for the recoverables of the checkpoint at `path`."""
         return {
-            n: path / n / f"{n}{PARAMFILE_EXT}" if isinstance(v, _Recoverable) else path / n
-            for n, v in items.items()
+            n: path / n / f"{n}{PARAMFILE_EXT}" if is_file else path / n
+            for n, is_file in files.items()
             if n != _META_ITEM
         }
 
@@ -627,12 +630,8 @@ class Checkpointer:
                 continue
             path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
             meta = dict(info.metadata.get("meta", {}))
-            paramfiles = {
-                n: path / n / f"{n}{PARAMFILE_EXT}" if item.handler == _HANDLER.id else path / n
-                for n, item in info.items.items()
-                if n != _META_ITEM and not item.dropped
-            }
-            found.append(Checkpoint(path, meta, paramfiles))
+            files = {n: i.handler == _HANDLER.id for n, i in info.items.items() if not i.dropped}
+            found.append(Checkpoint(path, meta, self._paramfiles(path, files)))
         return found + _speechbrain_checkpoints(self.checkpoints_dir)
 
     def find_checkpoints(

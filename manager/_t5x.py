@@ -586,7 +586,8 @@ class _T5XCheckpointing:
             )
             items: dict[str, Any] = {STATE: opts}
             if self._dataset_iterator is not None:
-                if not mgr.info(step).items.get(DATASET) or mgr.info(step).items[DATASET].dropped:
+                saved = mgr.info(step).items.get(DATASET)
+                if saved is None or saved.dropped:
                     raise ItemNotFoundError(
                         f"step {step} has no dataset iterator (dropped by keep_dataset_checkpoints "
                         "or never saved); restore it with a Checkpointer without dataset_iterator"

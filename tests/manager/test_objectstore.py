@@ -33,6 +33,17 @@ def state(step: int) -> dict[str, Any]:
     return {"w": np.arange(3000.0).reshape(30, 100) * step, "step": step}
 
 
+def start_writer(url: str, endpoint: str) -> subprocess.Popen[str]:
+    """The crash-test writer saving to `url` (async, KeepLatest(2)) with the server's credentials."""
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=s3_env(endpoint),
+    )
+
+
 def test_save_restore_retention_and_metrics(s3_bucket: str) -> None:
     url = f"{s3_bucket}/runs/a"
     keep = KeepLatest(2)
@@ -104,13 +115,7 @@ def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoi
     url = f"{s3_bucket}/crash"
     previous = -1
     for trial in range(3):
-        proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=s3_env(s3_endpoint),
-        )
+        proc = start_writer(url, s3_endpoint)
         assert proc.stdout is not None
         for _ in range(2 + trial):  # let it save a few steps, then kill it mid-way
             assert proc.stdout.readline().startswith("saved"), proc.stderr.read()  # type: ignore[union-attr]
@@ -131,13 +136,7 @@ def test_reader_beside_the_writer(s3_bucket: str, s3_endpoint: str) -> None:
     from crash_writer import expected_state
 
     url = f"{s3_bucket}/live"
-    writer = subprocess.Popen(
-        [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=s3_env(s3_endpoint),
-    )
+    writer = start_writer(url, s3_endpoint)
     assert writer.stdout is not None
     restored = 0
     try:
