@@ -4,6 +4,12 @@ Save policies answer `should_save(step, context)`; keep policies answer `keep(st
 committed steps they want kept. `AnyOf` composes either kind (not a mix): it saves when any part
 says save, and keeps what any part keeps. Main arguments are positional, options keyword-only;
 bad values raise ValueError naming the argument.
+
+A policy may be the user's own object, so its answer is checked before it is acted on
+(`checked_should_save`, `checked_keep`): should_save must return a bool (NumPy's bool_ too, never
+an int or a str), keep a set or frozenset of ints among the steps it was given. A wrong answer
+raises TypeError (wrong type) or ValueError (a step it was not given) naming the policy and the
+answer, and nothing is saved or deleted on its word.
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Protocol
+
+import numpy as np
 
 __all__ = [
     "AnyOf",
@@ -28,6 +37,8 @@ __all__ = [
     "SaveContext",
     "SavePolicy",
     "StepView",
+    "checked_keep",
+    "checked_should_save",
 ]
 
 
@@ -303,14 +314,16 @@ class AnyOf:
     def should_save(self, step: int, context: SaveContext) -> bool:
         if self.kind != "save":
             raise TypeError("AnyOf of keep policies has no should_save")
-        return any(p.should_save(step, context) for p in self.policies)  # type: ignore[union-attr]
+        # Every part answers (no short cut), so a broken part is found whatever the others say.
+        answers = [checked_should_save(p, step, context) for p in self.policies]  # type: ignore[arg-type]
+        return any(answers)
 
     def keep(self, steps: Sequence[StepView]) -> set[int]:
         if self.kind != "keep":
             raise TypeError("AnyOf of save policies has no keep")
         kept: set[int] = set()
         for p in self.policies:
-            kept |= p.keep(steps)  # type: ignore[union-attr]
+            kept |= checked_keep(p, steps)  # type: ignore[arg-type]
         return kept
 
 
@@ -341,5 +354,44 @@ def steps_to_delete(views: Sequence[StepView], policy: KeepPolicy) -> list[int]:
     if not views:
         return []
     newest = max(v.step for v in views)
-    kept = policy.keep(views) | {newest}
+    kept = checked_keep(policy, views) | {newest}
     return sorted(v.step for v in views if v.step not in kept)
+
+
+def checked_should_save(policy: SavePolicy, step: int, context: SaveContext) -> bool:
+    """`policy.should_save(step, context)`, refused unless it is a bool (or NumPy's bool_)."""
+    answer = policy.should_save(step, context)
+    if not isinstance(answer, (bool, np.bool_)):
+        raise TypeError(
+            f"save policy {policy!r}: should_save({step}) must return a bool, "
+            f"got {type(answer).__name__} {reprlib.repr(answer)}"
+        )
+    return bool(answer)
+
+
+def checked_keep(policy: KeepPolicy, views: Sequence[StepView]) -> set[int]:
+    """`policy.keep(views)`, refused unless it is a set of ints among the steps given.
+
+    A step that was not given is a bug in the policy, not a wish: read as "keep nothing else",
+    it would delete every step but the newest.
+    """
+    answer = policy.keep(views)
+    if not isinstance(answer, (set, frozenset)):
+        raise TypeError(
+            f"keep policy {policy!r}: keep() must return a set of step numbers, "
+            f"got {type(answer).__name__} {reprlib.repr(answer)}"
+        )
+    wrong = [s for s in answer if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+    if wrong:
+        raise TypeError(
+            f"keep policy {policy!r}: keep() must return a set of int step numbers, "
+            f"got {reprlib.repr(answer)} (holding {type(wrong[0]).__name__} {wrong[0]!r})"
+        )
+    given = {v.step for v in views}
+    unknown = sorted(int(s) for s in answer if s not in given)
+    if unknown:
+        raise ValueError(
+            f"keep policy {policy!r}: keep() returned steps {reprlib.repr(unknown)} that are not "
+            f"among the steps it was given {reprlib.repr(sorted(given))}"
+        )
+    return {int(s) for s in answer}
