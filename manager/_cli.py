@@ -3,6 +3,11 @@
 Directories are opened read-only, except by ``gc`` (without ``--dry-run``) and ``rm``. A bad
 argument or an unusable directory is one line on stderr and exit status 2, never a traceback;
 damage found by ``verify`` is exit status 1. ``--json`` prints data for scripts.
+
+Everything printed may come from the directory (metric names, metadata, item names, tree keys,
+error messages that quote them), and a directory is untrusted input: every line goes out through
+`_say` (and every table cell as a rich `Text`, never markup), which writes what a terminal would
+act on as an escape, and JSON is strict (`_json`: no NaN or Infinity, control characters escaped).
 """
 
 from __future__ import annotations
@@ -10,10 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cairn.handlers.errors import CairnError
 from cairn.manager._manager import CheckpointManager
@@ -21,6 +30,68 @@ from cairn.manager._manager import CheckpointManager
 
 class _UsageError(Exception):
     pass
+
+
+def _printable(text: object) -> str:
+    """`text` as a terminal shows it literally: every character that is not printable (control
+    characters, so escape sequences and carriage returns; C1 controls; bidi overrides; line
+    separators; lone surrogates from undecodable file names) is written as its Python escape."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in s)
+
+
+def _say(line: object = "", *, err: bool = False) -> None:
+    """Print one line, escaped (see `_printable`), on stdout or stderr."""
+    print(_printable(line), file=sys.stderr if err else sys.stdout)
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _strict(value: Any) -> Any:
+    """`value` as strict JSON data: NaN and the infinities become the strings "NaN", "Infinity"
+    and "-Infinity" (which Python's float() reads back), NumPy scalars plain numbers, anything
+    else that JSON has no type for its str()."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else _NON_FINITE[repr(float(value))]
+    if isinstance(value, Mapping):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return str(value)
+
+
+def _json(value: Any) -> None:
+    """Print `value` as strict JSON (ASCII only, so no control character goes out raw)."""
+    print(json.dumps(_strict(value), indent=1, allow_nan=False))
+
+
+class _EscapingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return _printable(super().format(record))
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """cairn's warnings (a damaged step skipped, unreadable metrics) on stderr, escaped: their
+    text quotes the directory."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_EscapingFormatter())
+    logger = logging.getLogger("cairn")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def _open(
@@ -88,12 +159,12 @@ def _keep_policy(args: argparse.Namespace) -> Any:
 
 def _kept_by(policy: Any, views: list[Any]) -> dict[int, list[str]]:
     """For each step, the parts of `policy` that keep it (the newest is always kept)."""
-    from cairn.manager._policies import AnyOf
+    from cairn.manager._policies import AnyOf, checked_keep
 
     parts: list[Any] = list(policy.policies) if isinstance(policy, AnyOf) else [policy]
     reasons: dict[int, list[str]] = {v.step: [] for v in views}
     for part in parts:
-        for step in part.keep(views):
+        for step in checked_keep(part, views):
             reasons[step].append(type(part).__name__)
     if views:
         reasons[max(v.step for v in views)].append("newest")
@@ -129,6 +200,7 @@ def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:
 def _ls(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     policy = _keep_policy(args)
     rows: list[dict[str, Any]] = []
@@ -159,9 +231,9 @@ def _ls(args: argparse.Namespace) -> int:
                 row["kept_by"] = reasons.get(step, [])
             rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        _json(rows)
         return 0
-    table = Table(title=str(args.directory))
+    table = Table(title=Text(_printable(args.directory)))
     for column in ("step", "committed", "size", "metrics", "items", "status"):
         table.add_column(column, justify="right" if column in ("step", "size") else "left")
     if policy is not None:
@@ -183,7 +255,7 @@ def _ls(args: argparse.Namespace) -> int:
             else:
                 kept = ", ".join(row.get("kept_by", [])) or "(gc would delete)"
             cells.append(kept)
-        table.add_row(*cells)
+        table.add_row(*(Text(_printable(cell)) for cell in cells))
     Console(highlight=False, width=160).print(table)
     return 0
 
@@ -207,33 +279,28 @@ def _show(args: argparse.Namespace) -> int:
         except CairnError as e:
             raise _UsageError(f"{args.directory}: step {step}: {e}") from None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "metrics": dict(info.metrics),
-                    "metadata": dict(info.metadata),
-                    "items": described,
-                },
-                indent=1,
-                default=str,
-            )
+        _json(
+            {
+                "step": step,
+                "metrics": dict(info.metrics),
+                "metadata": dict(info.metadata),
+                "items": described,
+            }
         )
         return 0
-    print(f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}")
+    _say(f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}")
     if info.metrics:
-        print("  metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items()))
+        _say("  metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items()))
     for name, item in described.items():
-        print(
-            f"  item {name!r}: {item.get('kind', item.get('handler'))}, {_size(item.get('bytes') or 0)}"
-        )
+        kind = item.get("kind", item.get("handler"))
+        _say(f"  item {name!r}: {kind}, {_size(item.get('bytes') or 0)}")
         for leaf in item.get("leaves", []):
             if "shape" in leaf:
                 nbytes = _leaf_bytes(leaf)
                 size = f", {_size(nbytes)}" if nbytes is not None else ""
-                print(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}{size}")
+                _say(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}{size}")
             else:
-                print(f"    {leaf['path']}: {leaf.get('value')!r}")
+                _say(f"    {leaf['path']}: {leaf.get('value')!r}")
     return 0
 
 
@@ -242,11 +309,14 @@ def _metrics(args: argparse.Namespace) -> int:
         views = _views(_infos(mgr), all_readable=True)
     names = sorted({k for v in views for k in v.metrics})
     if args.json:
-        print(json.dumps([{"step": v.step, **dict(v.metrics)} for v in views], indent=1))
+        # The step number is the "step" key: a metric of that name cannot stand in for it.
+        _json(
+            [{"step": v.step} | {k: x for k, x in v.metrics.items() if k != "step"} for v in views]
+        )
     else:
-        print("step " + " ".join(names))
+        _say("step " + " ".join(names))
         for v in views:
-            print(
+            _say(
                 f"{v.step} "
                 + " ".join(f"{v.metrics[n]:.6g}" if n in v.metrics else "-" for n in names)
             )
@@ -264,22 +334,22 @@ def _metrics(args: argparse.Namespace) -> int:
         import matplotlib.pyplot as plt
 
         points = [(v.step, v.metrics[metric]) for v in views if metric in v.metrics]
+        name = _printable(metric)  # drawn as it is: no control characters, no $math$
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(
-            [p[0] for p in points], [p[1] for p in points], "o-", label=f"{metric} (kept steps)"
-        )
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{name} (kept steps)")
         best = (min if args.mode == "min" else max)(points, key=lambda p: p[1])
         ax.plot(
             [best[0]], [best[1]], "r*", markersize=14, label=f"best ({args.mode}): step {best[0]}"
         )
         ax.set_xlabel("step")
-        ax.set_ylabel(metric)
-        ax.set_title(str(args.directory))
-        ax.legend()
+        ax.set_ylabel(name, parse_math=False)
+        ax.set_title(_printable(args.directory), parse_math=False)
+        for text in ax.legend().get_texts():
+            text.set_parse_math(False)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
         plt.close(fig)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        _say(f"wrote {args.plot}", err=True)
     return 0
 
 
@@ -295,12 +365,12 @@ def _gc(args: argparse.Namespace) -> int:
         doomed = steps_to_delete(_views(_infos(mgr)), policy)
         with _progress("deleting", len(doomed), quiet=args.dry_run) as advance:
             for step in doomed:
-                print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
+                _say(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
                 if not args.dry_run:
                     mgr.delete(step)
                 advance(1)
         kept = [s for s in mgr.all_steps() if s not in doomed]
-    print(
+    _say(
         f"{len(doomed)} steps {'would be ' if args.dry_run else ''}deleted, {len(kept)} kept: {kept}"
     )
     return 0
@@ -351,7 +421,7 @@ def _export(args: argparse.Namespace) -> int:
             advance(1)
     except (ValueError, CairnError) as e:
         raise _UsageError(f"{args.directory}: {e}") from None
-    print(f"exported step {args.step} to {out}")
+    _say(f"exported step {args.step} to {out}")
     return 0
 
 
@@ -362,7 +432,7 @@ def _rm(args: argparse.Namespace) -> int:
             mgr.delete(step)
         except CairnError as e:
             raise _UsageError(f"{args.directory}: step {step}: {e}") from None
-    print(f"deleted step {step}")
+    _say(f"deleted step {step}")
     return 0
 
 
@@ -388,17 +458,17 @@ def _verify(args: argparse.Namespace) -> int:
                 results.append(result)
     damaged = [r for r in results if not r["ok"]]
     if args.json:
-        print(json.dumps(results, indent=1))
+        _json(results)
     else:
         for r in results:  # plain lines (never wrapped), one per finding, for people and grep
             if r["ok"] and r.get("format") == "orbax":
-                print(f"step {r['step']}: orbax step, no checksums to verify")
+                _say(f"step {r['step']}: orbax step, no checksums to verify")
             elif r["ok"]:
-                print(f"step {r['step']}: ok")
+                _say(f"step {r['step']}: ok")
             for problem in r["problems"]:
-                print(f"step {r['step']}: DAMAGED: {problem}")
+                _say(f"step {r['step']}: DAMAGED: {problem}")
         summary = f"{len(results)} steps checked, {len(damaged)} damaged"
-        print(summary if results else f"{args.directory}: no committed steps")
+        _say(summary if results else f"{args.directory}: no committed steps")
     return 1 if damaged else 0
 
 
@@ -467,13 +537,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.run(args)
+        with _warnings_to_stderr():
+            code: int = args.run(args)
         return code
     except _UsageError as e:
-        print(f"cairn: error: {e}", file=sys.stderr)
+        _say(f"cairn: error: {e}", err=True)
         return 2
     except KeyboardInterrupt:
-        print("cairn: interrupted", file=sys.stderr)
+        _say("cairn: interrupted", err=True)
         return 130
 
 

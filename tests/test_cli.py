@@ -1,4 +1,5 @@
-"""The cairn command line, run as a person runs it: a subprocess on real checkpoint directories."""
+"""The cairn command line, run as a person runs it: a subprocess on real checkpoint directories
+(and in-process, through main(), where the test needs capsys)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from iterutil import Shuffled
 
+from cairn.handlers import JsonHandler
 from cairn.manager import CheckpointManager
+from cairn.manager._cli import main
+from cairn.manager._format import dump_checked, load_checked
 
 CAIRN = str(Path(sys.executable).with_name("cairn"))
 
@@ -45,7 +51,8 @@ def test_verify_intact_and_damaged(tmp_path: Path) -> None:
     lines = bad.stdout.splitlines()
     assert lines[0] == "step 10: ok"
     assert lines[1].startswith("step 20: DAMAGED: step 20, item 'state', file ")
-    assert "arrays/0/0.0 fails its crc32c check" in lines[1]
+    # The damaged file is named (the words of the check depend on the format version).
+    assert "arrays/0/0.0 " in lines[1]
     assert lines[2].startswith("step 30: DAMAGED:") and "process_0-of-1.json is missing" in lines[2]
     assert lines[-1] == "3 steps checked, 2 damaged"
     one = cairn("verify", str(tmp_path), "--step", "10", "--json")
@@ -158,3 +165,163 @@ def test_padded_step_names(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [7]
     bad = cairn("ls", str(tmp_path), "--step-digits", "0")
     assert bad.returncode == 2 and "step_digits must be" in bad.stderr
+
+
+# ---------------------------------------------------------------------------- untrusted names
+
+# What a stranger's directory may hold in a name: a window-title OSC, clear-screen, a carriage
+# return and a newline (forged lines), rich markup, a bidi override, a C1 CSI and DEL.
+EVIL = "\x1b]0;pwned\x07\x1b[2J\r\nstep 9: ok [bold red]x\u202e\x9b\x7f"
+
+
+def assert_printable(text: str) -> None:
+    """Nothing a terminal acts on: every line printable (box drawing is), only \\n between them."""
+    for line in text.split("\n"):
+        assert line.isprintable(), repr(line)
+    assert not any((c < " " and c != "\n") or "\x7f" <= c <= "\x9f" for c in text)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert_printable(out)
+    assert_printable(err)
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def strict_json(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def evil_run(root: Path) -> None:
+    with CheckpointManager(root, handlers={"config": JsonHandler()}) as mgr:
+        for step in (1, 2):
+            mgr.save(
+                step,
+                {"state": {EVIL: np.ones(2), "nan": float("nan")}, "config": {EVIL: EVIL}},
+                metrics={EVIL: float(step), "loss": float("nan"), "step": 99.0},
+                metadata={EVIL: [EVIL, {"nested": EVIL}]},
+            )
+        mgr.record_metrics(2, {"acc": float("inf"), "worst": float("-inf")})
+
+
+def test_names_from_disk_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    evil_run(tmp_path)
+    # Written as its Python escapes, the markup as it is (rich renders no markup from disk).
+    escaped = "\\x1b]0;pwned\\x07\\x1b[2J\\r\\nstep 9: ok [bold red]x\\u202e\\x9b\\x7f"
+    for args in [
+        ("ls", str(tmp_path)),
+        ("ls", str(tmp_path), "--verify", "--keep-best", "1", "--metric", EVIL),
+        ("show", str(tmp_path), "2"),
+        ("metrics", str(tmp_path)),
+    ]:
+        code, out, _ = run_cli(capsys, *args)
+        assert code == 0 and escaped in out, (args, out)
+    _, shown, _ = run_cli(capsys, "show", str(tmp_path), "2")
+    assert f"  metrics: {escaped}=2, loss=nan, step=99, acc=inf, worst=-inf\n" in shown
+    assert f"    ['{escaped}']: <f8[2], 16 B\n" in shown
+    _, table, _ = run_cli(capsys, "metrics", str(tmp_path))
+    assert table.splitlines() == [
+        f"step {escaped} acc loss step worst",
+        "1 1 - nan 99 -",
+        "2 2 inf nan 99 -inf",
+    ]
+    _, kept, _ = run_cli(capsys, "ls", str(tmp_path), "--keep-best", "1", "--metric", EVIL)
+    assert "KeepBest" in kept and "(gc would delete)" not in kept
+    for args in [
+        ("verify", str(tmp_path)),
+        ("gc", str(tmp_path), "--keep-best", "1", "--metric", EVIL, "--mode", "max", "--dry-run"),
+    ]:
+        code, out, _ = run_cli(capsys, *args)
+        assert code == 0 and out.endswith(("2 steps checked, 0 damaged\n", "1 kept: [2]\n")), out
+
+
+def test_json_is_strict_and_keeps_the_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evil_run(tmp_path)
+    _, out, _ = run_cli(capsys, "ls", str(tmp_path), "--json")
+    rows = strict_json(out)
+    assert rows[1]["metrics"] == {
+        EVIL: 2.0,
+        "loss": "NaN",
+        "step": 99.0,
+        "acc": "Infinity",
+        "worst": "-Infinity",
+    }
+    assert [float(v) for v in rows[1]["metrics"].values()][-2:] == [float("inf"), float("-inf")]
+    _, out, _ = run_cli(capsys, "show", str(tmp_path), "2", "--json")
+    shown = strict_json(out)
+    assert shown["metadata"] == {EVIL: [EVIL, {"nested": EVIL}]}
+    assert shown["metrics"]["loss"] == "NaN"
+    leaves = {leaf["path"]: leaf for leaf in shown["items"]["state"]["leaves"]}
+    assert leaves["['nan']"]["value"] == "NaN"
+    _, out, _ = run_cli(capsys, "metrics", str(tmp_path), "--json")
+    assert strict_json(out) == [
+        {"step": 1, EVIL: 1.0, "loss": "NaN"},
+        {"step": 2, EVIL: 2.0, "loss": "NaN", "acc": "Infinity", "worst": "-Infinity"},
+    ]  # a metric named "step" does not stand in for the step number
+    _, out, _ = run_cli(capsys, "verify", str(tmp_path), "--json")
+    assert [r["ok"] for r in strict_json(out)] == [True, True]
+
+
+def test_a_crafted_manifest_prints_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item names and handler ids written by hand into a manifest whose crc32c is recomputed."""
+    with CheckpointManager(tmp_path, handlers={"config": JsonHandler()}) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"config": {"a": 1}})
+    for step, edit in [(1, "name"), (2, "handler")]:
+        path = tmp_path / f"checkpoint_{step}" / "_CHECKPOINT.json"
+        body = load_checked(path.read_bytes(), str(path))
+        if edit == "name":
+            body["items"][EVIL] = body["items"].pop("config")
+        else:
+            body["items"]["config"]["handler"] = EVIL
+        path.write_bytes(dump_checked(body))
+    for args in [
+        ("ls", str(tmp_path)),
+        ("ls", str(tmp_path), "--json"),
+        ("verify", str(tmp_path)),
+        ("verify", str(tmp_path), "--json"),
+        ("show", str(tmp_path), "1"),
+        ("show", str(tmp_path), "2"),
+        ("show", str(tmp_path), "2", "--json"),
+    ]:
+        code, out, err = run_cli(capsys, *args)
+        assert code in (0, 1, 2), args
+        if args[-1] == "--json" and code != 2:
+            strict_json(out)
+        assert "\\x1b]0;pwned" in out + err, (args, out, err)
+
+
+def test_warnings_and_errors_are_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory whose own name holds escapes: the warnings and errors that quote it."""
+    root = tmp_path / "run\x1b]0;pwned\x07"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"state": [1]}, metrics={"loss": 1.0})
+        mgr.record_metrics(1, {"loss": 0.5})
+    (root / "checkpoint_1" / "metrics.json").write_text("{not json")
+    code, out, err = run_cli(capsys, "ls", str(root))
+    assert code == 0 and "loss=1" in out
+    assert "ignoring unreadable" in err and "run\\x1b]0;pwned\\x07" in err
+    code, _, err = run_cli(capsys, "show", str(root), "7")
+    error = err.splitlines()[-1]
+    assert code == 2 and error.startswith("cairn: error: ") and "\\x1b]0;pwned" in error
+
+
+def test_a_crafted_metric_name_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A metric name is drawn as it is: no mathtext (an unknown symbol used to crash the plot)."""
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": [step]}, metrics={"$\\foo$" + EVIL: float(step)})
+    plot = tmp_path / "m.png"
+    code, _, err = run_cli(capsys, "metrics", str(tmp_path), "--plot", str(plot))
+    assert code == 0 and err == f"wrote {plot}\n" and plot.read_bytes()[:4] == b"\x89PNG"
