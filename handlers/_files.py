@@ -12,16 +12,19 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import os
+import re
 import stat
 import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard
 
 import crc32c
+import xxhash
 
 from cairn.handlers.errors import CorruptCheckpointError
 
@@ -30,45 +33,159 @@ __all__ = [
     "FileRecord",
     "StoredItem",
     "check_relative",
+    "content_hash",
     "fsync_dir",
     "lower_thread_priority",
+    "open_regular",
+    "parse_json",
     "read_no_follow",
+    "within",
     "write_file",
     "writing_as",
     "writing_process",
 ]
 
 
+CONTENT_HASH = "xxh3_128"
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+
+
+def content_hash(data: bytes | bytearray | memoryview) -> str:
+    """The 128-bit content hash a format-2 file record carries: XXH3-128, 32 lowercase hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """One file a handler wrote: its path relative to the item's directory, size and crc32c."""
+    """One file a handler wrote: its path relative to the item's directory, its size, and what
+    identifies its content.
+
+    `xxh3_128` is the XXH3-128 hash of the file's bytes (32 hex digits), which every record of a
+    format-2 manifest carries (`ChecksummedFile` and `write_file` compute it while writing).
+    `crc32c` is what format-1 manifests recorded: a CRC-32C of the whole file. A handler that
+    returns a record without a hash gets one computed by the manager, which then reads the file.
+    """
 
     path: str
     size: int
-    crc32c: int
+    crc32c: int | None = None
+    xxh3_128: str | None = dataclasses.field(default=None, kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+        out: dict[str, Any] = {"path": self.path, "size": self.size}
+        if self.crc32c is not None:
+            out["crc32c"] = self.crc32c
+        if self.xxh3_128 is not None:
+            out[CONTENT_HASH] = self.xxh3_128
+        return out
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> FileRecord:
-        path, size, crc = obj["path"], obj["size"], obj["crc32c"]
-        if not isinstance(path, str) or not isinstance(size, int) or not isinstance(crc, int):
-            raise TypeError(f"malformed file record {dict(obj)!r}")
+    def from_json(cls, obj: Any) -> FileRecord:
+        """A record read from a manifest; ValueError (or TypeError) for anything malformed."""
+        if not isinstance(obj, Mapping):
+            raise TypeError(f"a file record must be an object, got {obj!r:.80}")
+        path, size = obj.get("path"), obj.get("size")
+        crc, digest = obj.get("crc32c"), obj.get(CONTENT_HASH)
+        if not isinstance(path, str) or not _is_int(size) or size < 0:
+            raise ValueError(f"malformed file record {dict(obj)!r:.200}")
+        if crc is not None and not (_is_int(crc) and 0 <= crc < 2**32):
+            raise ValueError(
+                f"file record {path!r}: crc32c {crc!r:.40} is not a 32-bit unsigned int"
+            )
+        if digest is not None and not (isinstance(digest, str) and _HEX128.fullmatch(digest)):
+            raise ValueError(
+                f"file record {path!r}: {CONTENT_HASH} {digest!r:.60} is not 32 hex digits"
+            )
+        if crc is None and digest is None:
+            raise ValueError(f"file record {path!r} has no checksum")
         check_relative(path)  # a crafted manifest must not make restore read outside the step
-        return cls(path, size, crc)
+        return cls(path, size, crc, xxh3_128=digest)
+
+    def check(self, data: bytes | bytearray | memoryview, where: str) -> None:
+        """CorruptCheckpointError (naming `where`) unless `data` is this file's content."""
+        if len(data) != self.size:
+            raise CorruptCheckpointError(
+                f"{where} has {len(data)} bytes, the manifest says {self.size}"
+            )
+        if self.xxh3_128 is not None:
+            got = content_hash(data)
+            if got != self.xxh3_128:
+                raise CorruptCheckpointError(
+                    f"{where} is not the file the manifest records (its {CONTENT_HASH} is {got}, "
+                    f"the manifest says {self.xxh3_128})"
+                )
+        elif self.crc32c is not None:
+            crc = crc32c.crc32c(data)
+            if crc != self.crc32c:
+                raise CorruptCheckpointError(
+                    f"{where} fails its crc32c check "
+                    f"(got {crc:#010x}, the manifest says {self.crc32c:#010x})"
+                )
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    """JSON read from a checkpoint; CorruptCheckpointError naming `where` for anything that is not
+    JSON, is nested deeper than Python's recursion allows, or holds an integer of more digits than
+    Python converts: a reader never fails with another exception on a stranger's file."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digits
+        raise CorruptCheckpointError(
+            f"{where} does not parse: {type(e).__name__}: {e!s:.200}"
+        ) from None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_NAME_LIMIT = 255
 
 
 def check_relative(relpath: str) -> None:
-    parts = relpath.split("/")
-    if not relpath or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    """A path inside an item: `/`-separated plain names (no empty, `.` or `..` part, no NUL or
+    control character, none longer than a filesystem allows). ValueError otherwise."""
+    parts = relpath.split("/") if isinstance(relpath, str) else [""]
+    if (
+        not relpath
+        or any(
+            p in ("", ".", "..") or len(p.encode("utf-8", "surrogatepass")) > _NAME_LIMIT
+            for p in parts
+        )
+        or any(ord(c) < 0x20 or c == "\x7f" for c in relpath)
+    ):
         raise ValueError(
-            f"file path {relpath!r} must be relative, without '.', '..' or empty parts"
+            f"file path {relpath!r:.300} must be relative, of plain names (no '.', '..', empty "
+            "parts or control characters)"
         )
 
 
+def within(base: Path, relpath: str, *, what: str = "") -> Path:
+    """`base/relpath`, the one way cairn turns a name read from a checkpoint into a path.
+
+    `relpath` must pass `check_relative`, and no directory on the way from `base` to the file may
+    be a symbolic link (the file itself is opened without following links, or is refused by
+    `StoredItem`), so the result is inside `base` whatever the checkpoint says.
+    CorruptCheckpointError naming `what` otherwise.
+    """
+    try:
+        check_relative(relpath)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{what or base}: {e}") from None
+    path = base / relpath
+    parent = path.parent
+    while parent != base:
+        if parent.is_symlink():
+            raise CorruptCheckpointError(
+                f"{what or base}: {parent} is a symbolic link; cairn reads and writes a "
+                "checkpoint only inside its directory"
+            )
+        parent = parent.parent
+    return path
+
+
 class ChecksummedFile:
-    """A binary file opened for writing that tracks its size and crc32c as bytes go through.
+    """A binary file opened for writing that tracks its size and content hash as bytes go through.
 
     Use as a context manager; `record` is valid after it closes. It does not fsync: the manager
     fsyncs the whole temporary tree once, after every item is written.
@@ -80,20 +197,20 @@ class ChecksummedFile:
         path = root / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "xb")  # noqa: SIM115 - closed by close()/__exit__
-        self._crc = 0
+        self._hash = xxhash.xxh3_128()
         self._size = 0
         self._record: FileRecord | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self._crc = crc32c.crc32c(view, self._crc)
+        self._hash.update(view)
         self._size += view.nbytes
         return self._file.write(view)
 
     def close(self) -> None:
         if self._record is None:
             self._file.close()
-            self._record = FileRecord(self._relpath, self._size, self._crc)
+            self._record = FileRecord(self._relpath, self._size, xxh3_128=self._hash.hexdigest())
 
     @property
     def record(self) -> FileRecord:
@@ -160,10 +277,27 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
         pass
 
 
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of a regular file, opened without following a link and without
+    blocking (a FIFO would hang a reader); OSError (ELOOP for a link) or CorruptCheckpointError
+    (anything that is not a regular file) otherwise. The caller closes it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(
+                f"{path} is not a regular file (mode {stat.filemode(mode)})"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_no_follow(path: Path) -> bytes:
-    """The bytes of a regular file; OSError (ELOOP) if `path` itself is a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
+    """The bytes of a regular file, through `open_regular`."""
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read()
 
 
@@ -247,25 +381,38 @@ class StoredItem:
                 f"{self.describe_file(relpath)} is a symbolic link; cairn reads a checkpoint only "
                 "from inside its directory"
             )
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} is not a regular file "
+                f"(mode {stat.filemode(info.st_mode)})"
+            )
         return info
 
-    def read_bytes(self, relpath: str) -> bytes:
+    def open_file(self, relpath: str) -> int:
+        """A read-only descriptor of a recorded file, after the checks of `check_files`; the
+        caller closes it and checks what it reads with ``files[relpath].check``."""
         record = self.files.get(relpath)
         if record is None:
             raise CorruptCheckpointError(f"{self.describe_file(relpath)} is not in the manifest")
         try:
-            self._lstat(relpath)
-            data = read_no_follow(self.directory / relpath)
+            size = self._lstat(relpath).st_size
+            if size != record.size:
+                raise CorruptCheckpointError(
+                    f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
+                )
+            return open_regular(self.directory / relpath)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
-        if len(data) != record.size:
+        except CorruptCheckpointError:
+            raise
+        except OSError as e:
             raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)} has {len(data)} bytes, the manifest says {record.size}"
-            )
-        crc = crc32c.crc32c(data)
-        if crc != record.crc32c:
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)} fails its crc32c check "
-                f"(got {crc:#010x}, the manifest says {record.crc32c:#010x})"
-            )
+                f"{self.describe_file(relpath)} cannot be read: {e}"
+            ) from None
+
+    def read_bytes(self, relpath: str) -> bytes:
+        """The whole content of a recorded file, checked against its record."""
+        with os.fdopen(self.open_file(relpath), "rb") as f:
+            data = f.read()
+        self.files[relpath].check(data, self.describe_file(relpath))
         return data

@@ -8,14 +8,16 @@ Layout of one item (docs/format.md)::
 
 Chunks tile each process's shards (so processes never write the same file) and are split along
 their first axis to at most `chunk_bytes`, so large arrays write and read in parallel. The files
-are standard zarr v3: TensorStore (or any zarr v3 reader) opens them, and restore reads through
-TensorStore, each device reading only its slices.
+are standard zarr v3: TensorStore (or any zarr v3 reader) opens them. Restore reads the chunk
+files itself, each device only the chunks its slices overlap, and checks every file against the
+content hash in the manifest before its bytes are used.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -26,11 +28,13 @@ from typing import Any
 
 import crc32c
 import numpy as np
+import xxhash
 
 from cairn.handlers._files import (
     FileRecord,
     StoredItem,
     lower_thread_priority,
+    parse_json,
     write_file,
     writing_process,
 )
@@ -282,7 +286,10 @@ def _write_chunks(
     max_inflight_bytes: int,
     threads: int,
 ) -> list[FileRecord]:
-    """Write chunk files (data, then its crc32c) on a few threads; crc and write release the GIL.
+    """Write chunk files (data, then its crc32c) on a few threads; hashes and writes release the GIL.
+
+    The crc32c tail is zarr's codec; the record carries the XXH3-128 of the whole file, which is
+    what binds the chunk to its place (a CRC over data plus its own CRC is a constant).
 
     Pieces are written straight from the snapshot's memory (no copy) unless a save_dtype cast is
     due, which allocates one chunk at a time; `max_inflight_bytes` bounds those casts in flight.
@@ -314,7 +321,9 @@ def _write_chunks(
                 _write_all(fd, [view, tail])
             finally:
                 os.close(fd)
-            return FileRecord(relpath, view.nbytes + 4, crc32c.crc32c(tail, crc))
+            digest = xxhash.xxh3_128(view)
+            digest.update(tail)
+            return FileRecord(relpath, view.nbytes + 4, xxh3_128=digest.hexdigest())
         finally:
             for _ in range(tickets):
                 budget.release()
@@ -549,83 +558,99 @@ def _subtree(tree: Mapping[str, Any], key: str | int, whole: tuple[str | int, ..
 
 
 class _LeafReader:
-    """Reads one stored leaf, whole or by slices.
+    """Reads one stored leaf, whole or by slices, from its chunk files.
 
-    Fast path: when the wanted region is a run of whole chunks (the usual case: restoring with the
-    sharding it was saved with, or without one), each chunk file is read straight into a 64-byte
-    aligned buffer, which JAX then adopts without a copy on CPU, and its crc32c is checked against
-    the file's tail. Anything else (resharding across chunk boundaries) reads through TensorStore,
-    whose crc32c codec checks each chunk.
+    Nothing is allocated before the leaf's metadata is checked against the files (`_check`):
+    ``zarr.json`` must be what this layout writes for the shape, dtype and chunk shape in
+    ``tree.json``, and every chunk of the grid must be listed in the manifest at its exact size,
+    so an array is never larger than the files that hold it. Each chunk file read is checked
+    against its manifest record: its content hash (format 2), which binds the bytes to this
+    leaf and chunk, or its crc32c tail (format 1, the zarr codec's check only).
+
+    A region made of whole chunks (the usual case: restoring without a sharding, or with the one
+    it was saved with) is read straight into a 64-byte aligned buffer, which JAX adopts without
+    a copy on CPU; any other region reads each overlapping chunk whole and copies the overlap.
     """
-
-    _context: Any = None
 
     def __init__(self, stored: StoredItem, node: Mapping[str, Any], path: KeyPath) -> None:
         self.stored, self.node, self.path = stored, node, path
         self.shape = tuple(node["shape"])
         self.dtype = dtype_from_name(node["dtype"])
-        self._store: Any = None
-        self._meta: dict[str, Any] | None = None
+        self.chunk = tuple(node.get("chunk") or ())
+        self._checked = False
 
-    def _metadata(self) -> dict[str, Any]:
-        """zarr.json (checksummed by the manifest), after checking every chunk file is whole."""
-        if self._meta is None:
-            meta = json.loads(self.stored.read_bytes(f"{self.node['f']}/zarr.json"))
-            self.stored.check_files(f"{self.node['f']}/")
-            self._meta = meta
-        return self._meta
+    def describe(self, relpath: str) -> str:
+        return f"{self.stored.describe_file(relpath)} (leaf {keystr(self.path)})"
 
-    def _open(self) -> Any:
-        if self._store is None:
-            import tensorstore as ts
+    def _check(self) -> None:
+        if self._checked:
+            return
+        base = self.node["f"]
+        where = self.describe(f"{base}/zarr.json")
+        if len(self.chunk) != len(self.shape):
+            raise CorruptCheckpointError(
+                f"{where}: tree.json gives no chunk shape of rank {len(self.shape)}"
+            )
+        meta = parse_json(self.stored.read_bytes(f"{base}/zarr.json"), where)
+        if meta != _zarr_metadata(self.shape, self.dtype, self.chunk):
+            raise CorruptCheckpointError(
+                f"{where} does not describe the leaf tree.json records (shape {list(self.shape)}, "
+                f"dtype {dtype_name(self.dtype)}, chunk {list(self.chunk)})"
+            )
+        if _size(self.shape):
+            grid = [-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True)]
+            size = _size(self.chunk) * self.dtype.itemsize + 4
+            if _size(grid) > len(self.stored.files):
+                raise CorruptCheckpointError(
+                    f"{where}: the leaf has {_size(grid)} chunks, the manifest lists "
+                    f"{len(self.stored.files)} files for the item"
+                )
+            for coords in itertools.product(*map(range, grid)):
+                relpath = f"{base}/{'.'.join(map(str, coords)) or '0'}"
+                record = self.stored.files.get(relpath)
+                if record is None or record.size != size:
+                    got = "not listed" if record is None else f"listed with {record.size} bytes"
+                    raise CorruptCheckpointError(
+                        f"{self.describe(relpath)} is {got} in the manifest; the leaf needs it "
+                        f"with {size} bytes"
+                    )
+        self.stored.check_files(f"{base}/")  # present, regular, not links, at those sizes
+        self._checked = True
 
-            meta = self._metadata()
-            spec = {
-                "driver": "zarr3",
-                "kvstore": {
-                    "driver": "file",
-                    "path": str(self.stored.directory / self.node["f"]) + "/",
-                },
-                "metadata": meta,
-            }
-            if _LeafReader._context is None:
-                _LeafReader._context = ts.Context({"file_io_concurrency": {"limit": 16}})
-            self._store = ts.open(
-                spec, open=True, assume_metadata=True, context=_LeafReader._context
-            ).result()
-        return self._store
-
-    def read(self, index: tuple[slice, ...] = ()) -> Any:
+    def read(self, index: tuple[slice, ...] = ()) -> _Read:
         """A future of the data in `index` (whole leaf by default), as np.ndarray."""
+        self._check()
         region = index or tuple(slice(0, n) for n in self.shape)
-        chunks = self._whole_chunks(region)
-        if chunks is not None:
-            self._metadata()
-            return _FastRead(self, region, chunks)
-        store = self._open()
-        view = store[index] if index else store
-        if not self.shape:  # rank 0 stored as shape ()
-            view = store
-        return _Guarded(view.read(), self)
+        return _Read(self, region)
 
-    def _whole_chunks(self, region: tuple[slice, ...]) -> list[tuple[str, int, int]] | None:
-        """(file, first row, rows) of each chunk making up `region`, or None if it is not whole chunks."""
-        if sys.byteorder != "little":
-            return None
-        if not self.shape:
-            return [("0", 0, 1)]
-        chunk, rows = tuple(self.node.get("chunk") or ()), self.shape[0]
-        if len(chunk) != len(self.shape) or tuple(chunk[1:]) != self.shape[1:] or 0 in self.shape:
-            return None
-        if any(
-            sl.start != 0 or sl.stop != n for sl, n in zip(region[1:], self.shape[1:], strict=True)
-        ):
-            return None
-        r0, r1, c = region[0].start, region[0].stop, chunk[0]
-        if r0 % c or (r1 % c and r1 != rows):
-            return None
-        zeros = ".0" * (len(self.shape) - 1)
-        return [(f"{k}{zeros}", k * c, min(c, rows - k * c)) for k in range(r0 // c, -(-r1 // c))]
+    def read_chunk(self, coords: tuple[int, ...], dest: np.ndarray) -> None:
+        """Read the chunk at grid `coords` into `dest` (C-contiguous, the chunk's full shape) and
+        check it against the manifest; CorruptCheckpointError naming the file otherwise."""
+        relpath = f"{self.node['f']}/{'.'.join(map(str, coords)) or '0'}"
+        record = self.stored.files[relpath]
+        data = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        tail = bytearray(4)
+        fd = self.stored.open_file(relpath)
+        try:
+            got = _read_all(fd, [data, tail])
+        finally:
+            os.close(fd)
+        if got != record.size:
+            raise CorruptCheckpointError(f"{self.describe(relpath)} was cut short while read")
+        if record.xxh3_128 is not None:
+            digest = xxhash.xxh3_128(data)
+            digest.update(tail)
+            if digest.hexdigest() != record.xxh3_128:
+                raise CorruptCheckpointError(
+                    f"{self.describe(relpath)} is not the chunk the manifest records "
+                    "(its content hash differs)"
+                )
+        elif crc32c.crc32c(data) != int.from_bytes(tail, "little"):
+            raise CorruptCheckpointError(f"{self.describe(relpath)} fails its crc32c check")
+
+
+def _size(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=object)) if shape else 1
 
 
 _READ_POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -648,43 +673,44 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-class _FastRead:
-    """Reads whole chunk files into one aligned array on the read pool, checking each crc32c."""
+class _Read:
+    """One region of a leaf being read on the read pool, a chunk per task."""
 
-    def __init__(
-        self, reader: _LeafReader, region: tuple[slice, ...], chunks: list[tuple[str, int, int]]
-    ) -> None:
+    def __init__(self, reader: _LeafReader, region: tuple[slice, ...]) -> None:
         self._reader = reader
-        shape = tuple(sl.stop - sl.start for sl in region)
-        self._out = _aligned_empty(shape, reader.dtype)
-        origin = region[0].start if region else 0
-        self._futures = [_read_pool().submit(self._one, *c, origin) for c in chunks]
+        self._region = region
+        self._out = _aligned_empty(tuple(sl.stop - sl.start for sl in region), reader.dtype)
+        if not self._out.size:
+            self._futures: list[concurrent.futures.Future[None]] = []
+            return
+        spans = [
+            range(sl.start // c, -(-sl.stop // c))
+            for sl, c in zip(region, reader.chunk, strict=True)
+        ]
+        self._futures = [
+            _read_pool().submit(self._one, coords) for coords in itertools.product(*spans)
+        ]
 
-    def _one(self, key: str, first_row: int, rows: int, origin: int) -> None:
-        reader, out = self._reader, self._out
-        relpath = f"{reader.node['f']}/{key}"
-        path = reader.stored.directory / relpath
-        chunk_rows = reader.node["chunk"][0] if reader.shape else 1
-        dest = (
-            out.reshape(-1)
-            if not reader.shape
-            else out[first_row - origin : first_row - origin + rows]
+    def _one(self, coords: tuple[int, ...]) -> None:
+        reader, region = self._reader, self._region
+        lo = [k * c for k, c in zip(coords, reader.chunk, strict=True)]
+        # The overlap of this chunk with the region, in chunk and in output coordinates.
+        inner = tuple(
+            slice(max(sl.start, a) - a, min(sl.stop, a + c) - a)
+            for sl, a, c in zip(region, lo, reader.chunk, strict=True)
         )
-        padded = rows < chunk_rows
-        target = _aligned_empty((chunk_rows, *reader.shape[1:]), reader.dtype) if padded else dest
-        data = memoryview(target.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        tail = bytearray(4)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            got = _read_all(fd, [data, tail])
-        finally:
-            os.close(fd)
-        if got != data.nbytes + 4 or crc32c.crc32c(data) != int.from_bytes(tail, "little"):
-            raise CorruptCheckpointError(
-                f"{reader.stored.describe_file(relpath)} (leaf {keystr(reader.path)}) fails its crc32c check"
-            )
-        if padded:
-            dest[...] = target[:rows]
+        outer = tuple(
+            slice(a + i.start - sl.start, a + i.stop - sl.start)
+            for sl, a, i in zip(region, lo, inner, strict=True)
+        )
+        whole = all(i.start == 0 and i.stop == c for i, c in zip(inner, reader.chunk, strict=True))
+        dest = self._out[outer] if reader.shape else self._out.reshape(1)
+        if whole and dest.flags.c_contiguous:
+            reader.read_chunk(coords, dest)  # straight into the result
+            return
+        buffer = np.empty(reader.chunk, reader.dtype)
+        reader.read_chunk(coords, buffer)
+        dest[...] = buffer[inner]
 
     def result(self) -> np.ndarray:
         for future in self._futures:
@@ -707,22 +733,6 @@ def _read_all(fd: int, parts: list[Any]) -> int:
         if views and n:
             views[0] = views[0][n:]
     return total
-
-
-class _Guarded:
-    """A TensorStore read future whose errors name the step, item, leaf and file."""
-
-    def __init__(self, future: Any, reader: _LeafReader) -> None:
-        self._future, self._reader = future, reader
-
-    def result(self) -> np.ndarray:
-        try:
-            return np.asarray(self._future.result())
-        except Exception as e:  # TensorStore raises ValueError for DATA_LOSS / missing data
-            where = self._reader.stored.describe_file(self._reader.node["f"])
-            raise CorruptCheckpointError(
-                f"{where} (leaf {keystr(self._reader.path)}) cannot be read: {e}"
-            ) from None
 
 
 class _Scalar:
@@ -774,7 +784,7 @@ def _child(target: Any, key: str | int) -> Any:
 
 
 def _materialize(state: Any, target: Any) -> Any:
-    """Read every lazy leaf: start all reads first (TensorStore runs them in parallel), then wait."""
+    """Read every lazy leaf: start all reads first (the read pool runs them in parallel), then wait."""
     started = _map_with_target(state, target, _start_read)
     return _map_with_target(started, None, lambda finish, _: finish(), is_leaf=callable)
 

@@ -9,14 +9,13 @@ keys; without a target they come back as dicts, with a target as the target's ow
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
-from cairn.handlers._files import StoredItem
+from cairn.handlers._files import StoredItem, check_relative, parse_json
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
 __all__ = ["KeyPath", "decode", "encode", "is_arraylike", "keystr", "load_tree", "walk_leaves"]
@@ -117,10 +116,114 @@ def _key_name(key: Any) -> str:
 
 
 def load_tree(stored: StoredItem) -> Any:
+    """The verified ``tree.json`` of an item, checked node by node (`check_tree`)."""
+    where = stored.describe_file(TREE)
+    tree = parse_json(stored.read_bytes(TREE), where)
     try:
-        return json.loads(stored.read_bytes(TREE))
-    except json.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"{stored.describe_file(TREE)} does not parse: {e}") from None
+        check_tree(tree)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from None
+    return tree
+
+
+MAX_DEPTH = 100  # nesting levels of a tree.json (decoding recurses once per level)
+MAX_RANK = 32  # dimensions of an array leaf (NumPy's limit is 64)
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,),
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+}
+
+
+def check_tree(tree: Any) -> None:
+    """Every node of a tree read from disk has the fields and types `encode` writes; ValueError
+    or TypeError naming the key path otherwise. Array leaves: a known `kind`, a shape of ints
+    >= 0, a dtype from the allow-list (`check_dtype_name`), each leaf's `f` used once."""
+    files: set[str] = set()
+    todo: list[tuple[Any, KeyPath]] = [(tree, ())]
+    while todo:
+        node, path = todo.pop()
+        where = keystr(path)
+        if len(path) > MAX_DEPTH:
+            raise ValueError(f"at {where}: nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+            raise TypeError(f"at {where}: a node must be an object with a type 't'")
+        t = node["t"]
+        if t in ("dict", "namedtuple", "custom"):
+            keys, children = node.get("k"), node.get("c")
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise TypeError(f"at {where}: 'k' must be a list of str")
+            if not isinstance(children, list) or len(children) != len(keys):
+                raise TypeError(f"at {where}: 'c' must be a list as long as 'k'")
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"at {where}: a key appears twice")
+            todo += [(c, (*path, k)) for k, c in zip(keys, children, strict=True)]
+        elif t in ("list", "tuple"):
+            children = node.get("c")
+            if not isinstance(children, list):
+                raise TypeError(f"at {where}: 'c' must be a list")
+            todo += [(c, (*path, i)) for i, c in enumerate(children)]
+        elif t in _SCALAR_TYPES:
+            v = node.get("v")
+            if not isinstance(v, _SCALAR_TYPES[t]) or (t != "bool" and isinstance(v, bool)):
+                raise TypeError(f"at {where}: a {t} node holds {v!r:.40}")
+        elif t == "complex":
+            v = node.get("v")
+            if not (
+                isinstance(v, list)
+                and len(v) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            ):
+                raise TypeError(f"at {where}: a complex node holds {v!r:.40}")
+        elif t in ("array", "npscalar"):
+            _check_array_node(node, where, files)
+        elif t != "none":
+            raise ValueError(f"at {where}: unknown node type {t!r:.40}")
+
+
+def _check_array_node(node: dict[str, Any], where: str, files: set[str]) -> None:
+    f, shape = node.get("f"), node.get("shape")
+    if not isinstance(f, str) or f in files:
+        raise ValueError(f"at {where}: leaf file {f!r:.80} is missing or used twice")
+    check_relative(f)
+    files.add(f)
+    if not _int_list(shape, 0) or len(shape) > MAX_RANK:
+        raise ValueError(f"at {where}: shape {shape!r:.80} is not a list of ints >= 0")
+    if node["t"] == "npscalar" and shape:
+        raise ValueError(f"at {where}: a NumPy scalar has shape {shape!r:.80}")
+    for key in ("dtype", "saved_from"):
+        if key in node or key == "dtype":
+            check_dtype_name(node.get(key), f"at {where}: {key}")
+    if "chunk" in node:
+        chunk = node["chunk"]
+        if not _int_list(chunk, 1) or len(chunk) != len(shape):
+            raise ValueError(
+                f"at {where}: chunk {chunk!r:.80} is not a list of ints >= 1 of rank {len(shape)}"
+            )
+
+
+def _int_list(value: Any, least: int) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and least <= n < 2**62 for n in value
+    )
+
+
+def check_dtype_name(name: Any, what: str) -> np.dtype:
+    """The dtype a stored name stands for, if it is one an array handler writes: booleans,
+    integers, floats and complex numbers (NumPy's and the ml_dtypes ones). ValueError otherwise
+    (an object or string dtype must never come from disk)."""
+    if isinstance(name, str) and name in _ML_DTYPES:
+        return dtype_from_name(name)
+    if isinstance(name, str) and len(name) <= 8:
+        try:
+            dtype = np.dtype(name)
+        except TypeError:
+            pass
+        else:
+            if dtype.kind in "biufc" and dtype.str == name:
+                return dtype
+    raise ValueError(f"{what} {name!r:.40} is not a stored dtype (numbers and booleans only)")
 
 
 def decode(

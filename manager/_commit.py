@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot, write_file
-from cairn.handlers._files import check_relative, fsync_dir, writing_as
+from cairn.handlers._files import check_relative, content_hash, fsync_dir, within, writing_as
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._format import (
     MANIFEST,
@@ -88,8 +88,8 @@ def commit_step(
         try:
             with writing_as(procs.index, procs.count):
                 for name, (handler, snapshot) in job.snapshots.items():
-                    records[name] = tuple(snapshot.write(tmp / name))
-                    _check_records(tmp / name, handler, records[name])
+                    written = tuple(snapshot.write(tmp / name))
+                    records[name] = _check_records(tmp / name, handler, written)
             if procs.count > 1:
                 listing = {n: [f.to_json() for f in r] for n, r in records.items()}
                 write_file(tmp, f".process-{procs.index}.json", json.dumps(listing).encode())
@@ -160,14 +160,20 @@ def write_items(tmp: Path, job: SaveJob) -> dict[str, tuple[FileRecord, ...]]:
     records = {}
     for name, (handler, snapshot) in job.snapshots.items():
         (tmp / name).mkdir()
-        records[name] = tuple(snapshot.write(tmp / name))
-        _check_records(tmp / name, handler, records[name])
+        records[name] = _check_records(tmp / name, handler, tuple(snapshot.write(tmp / name)))
     return records
 
 
-def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, ...]) -> None:
-    """A handler's records must name distinct files it really wrote, at the size it says."""
+def _check_records(
+    item_dir: Path, handler: Handler, records: tuple[FileRecord, ...]
+) -> tuple[FileRecord, ...]:
+    """A handler's records must name distinct files it really wrote, at the size it says.
+
+    Returns them with a content hash each: a record without one (a handler that computes only a
+    crc32c) gets the file's hash here, the one time cairn reads back a file it wrote.
+    """
     seen = set()
+    out = []
     for record in records:
         if not isinstance(record, FileRecord):
             raise TypeError(f"handler {handler.id!r} returned {record!r}, not a FileRecord")
@@ -186,6 +192,10 @@ def _check_records(item_dir: Path, handler: Handler, records: tuple[FileRecord, 
                 f"handler {handler.id!r} says {record.path!r} has {record.size} bytes, "
                 f"the file has {size}"
             )
+        if record.xxh3_128 is None:
+            record = dataclasses.replace(record, xxh3_128=content_hash(path.read_bytes()))
+        out.append(record)
+    return tuple(out)
 
 
 def _load_syncfs() -> Callable[[int], int] | None:
@@ -269,18 +279,28 @@ def drop_item(step_dir: Path, manifest: Manifest, item: str) -> tuple[Manifest, 
         raise
     fsync_dir(step_dir)
     trash = step_dir.parent / trash_name(f"{step_dir.name}-{item}")
-    os.rename(step_dir / item, trash)
+    os.rename(within(step_dir, item, what=f"step {manifest.step}"), trash)
     fsync_dir(step_dir)
     fsync_dir(step_dir.parent)
     return new, trash
 
 
 def remove_dropped(step_dir: Path, manifest: Manifest) -> None:
-    """Remove directories of items the manifest marks dropped (left by a crash in `drop_item`)."""
+    """Remove directories of items the manifest marks dropped (left by a crash in `drop_item`).
+
+    Names come from the manifest, so they go through `within` (a manifest is untrusted): only an
+    entry of the step directory itself is removed, and a link there is unlinked, never followed.
+    """
     for name, entry in manifest.items.items():
-        if entry.dropped and (step_dir / name).is_dir():
+        if not entry.dropped:
+            continue
+        path = within(step_dir, name, what=f"manifest of {step_dir}")
+        if path.is_symlink():
+            log.info("cairn: removing link %s left as a dropped item", path)
+            path.unlink()
+        elif path.is_dir():
             log.info("cairn: removing dropped item %r left in %s", name, step_dir)
-            shutil.rmtree(step_dir / name)
+            shutil.rmtree(path)
 
 
 def delete_step(root: Path, name: str) -> Path | None:

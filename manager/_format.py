@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import crc32c
 
 from cairn.handlers import FileRecord
+from cairn.handlers._files import parse_json
 from cairn.handlers.errors import CorruptCheckpointError, UnsupportedFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "_CHECKPOINT.json"
 METRICS = "metrics.json"
 LOCK = ".cairn.lock"
@@ -70,6 +72,25 @@ class StepNames:
         return match is not None and self.parse(name[: match.start()]) is not None
 
 
+_ITEM_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}")
+_RESERVED = {MANIFEST, METRICS}
+
+
+def item_name_problem(name: str) -> str | None:
+    """Why `name` cannot be an item name (a directory of a step), or None if it can.
+
+    The same rule applies to names given to save() and to names read from a manifest: letters,
+    digits, '_', '-' and '.', at most 128 characters, not starting with '.', and not one of the
+    files cairn writes in a step.
+    """
+    if _ITEM_NAME.fullmatch(name) and name not in _RESERVED:
+        return None
+    return (
+        f"bad item name {name!r:.200}: use at most 128 letters, digits, '_', '-' and '.', not "
+        f"starting with '.', and not {sorted(_RESERVED)}"
+    )
+
+
 def trash_name(name: str) -> str:
     return f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex}"
 
@@ -93,14 +114,15 @@ def dump_checked(body: Mapping[str, Any]) -> bytes:
 
 def load_checked(data: bytes, where: str) -> dict[str, Any]:
     """Parse what `dump_checked` wrote; CorruptCheckpointError (naming `where`) if damaged."""
-    try:
-        obj = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{where} does not parse: {e}") from None
+    obj = parse_json(data, where)
     if not isinstance(obj, dict) or not isinstance(obj.get(_CRC_KEY), int):
         raise CorruptCheckpointError(f"{where} has no {_CRC_KEY} field")
     crc = obj.pop(_CRC_KEY)
-    if crc32c.crc32c(_canonical(obj)) != crc:
+    try:
+        canonical = _canonical(obj)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} cannot be checked: {e}") from None
+    if crc32c.crc32c(canonical) != crc:
         raise CorruptCheckpointError(f"{where} fails its crc32c check")
     return obj
 
@@ -160,37 +182,94 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        """Parse and check a manifest: every field has its documented type and range, every item
+        name and file path follows the rules a save follows; CorruptCheckpointError otherwise."""
         obj = load_checked(data, where)
         version = obj.get("format_version")
-        if obj.get("format") != "cairn" or not isinstance(version, int):
+        if obj.get("format") != "cairn" or not _is_int(version):
             raise CorruptCheckpointError(f"{where} is not a cairn manifest")
+        if version < 1:
+            raise CorruptCheckpointError(f"{where} has format version {version}")
         if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{where} has format version {version}; this cairn reads up to {FORMAT_VERSION}. "
                 "Upgrade cairn-ckpt to read it."
             )
         try:
-            items = {
-                name: ItemEntry(
-                    handler=str(e["handler"]),
-                    version=int(e["version"]),
-                    dropped=bool(e.get("dropped", False)),
-                    files=tuple(FileRecord.from_json(f) for f in e["files"]),
-                )
-                for name, e in obj["items"].items()
-            }
+            step = obj["step"]
+            if not _is_int(step) or not 0 <= step < 2**63:
+                raise ValueError(f"step {step!r:.40} is not an int in [0, 2**63)")
+            raw_items = _expect(obj["items"], dict, "items")
+            items = {name: _item(name, e, version) for name, e in raw_items.items()}
             return cls(
-                step=int(obj["step"]),
+                step=step,
                 items=items,
-                started_at=float(obj["started_at"]),
-                committed_at=float(obj["committed_at"]),
-                metrics={str(k): float(v) for k, v in obj.get("metrics", {}).items()},
-                metadata=dict(obj.get("metadata", {})),
-                telemetry={str(k): float(v) for k, v in obj.get("telemetry", {}).items()},
+                started_at=_finite(obj["started_at"], "started_at"),
+                committed_at=_finite(obj["committed_at"], "committed_at"),
+                metrics=check_metrics(obj.get("metrics", {}), argument="metrics"),
+                metadata=_expect(obj.get("metadata", {}), dict, "metadata"),
+                telemetry={
+                    str(k): _finite(v, f"telemetry[{k!r}]")
+                    for k, v in _expect(obj.get("telemetry", {}), dict, "telemetry").items()
+                },
                 format_version=version,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{where} is malformed: {e!r}") from None
+        except KeyError as e:
+            raise CorruptCheckpointError(f"{where} is malformed: field {e} is missing") from None
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where} is malformed: {e!s:.300}") from None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(value: Any, kind: type, what: str) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {value!r:.40}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be finite, got {value!r:.40}")
+    return number
+
+
+def _item(name: Any, entry: Any, version: int) -> ItemEntry:
+    """One item entry of a manifest, checked as a save would have written it."""
+    problem = item_name_problem(name) if isinstance(name, str) else f"item name {name!r}"
+    if problem:
+        raise ValueError(problem)
+    entry = _expect(entry, dict, f"item {name!r}")
+    handler, handler_version, dropped = (
+        entry["handler"],
+        entry["version"],
+        entry.get("dropped", False),
+    )
+    if not isinstance(handler, str) or not handler or len(handler) > 200:
+        raise ValueError(f"item {name!r}: handler {handler!r:.80} is not a handler id")
+    if not _is_int(handler_version) or handler_version < 0:
+        raise ValueError(f"item {name!r}: version {handler_version!r:.40} is not an int >= 0")
+    if not isinstance(dropped, bool):
+        raise TypeError(f"item {name!r}: dropped must be a bool, got {dropped!r:.40}")
+    files = tuple(
+        FileRecord.from_json(f) for f in _expect(entry["files"], list, f"item {name!r} files")
+    )
+    paths = [f.path for f in files]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"item {name!r} lists a file twice")
+    if dropped and files:
+        raise ValueError(f"item {name!r} is dropped but lists files")
+    if version >= 2 and any(f.xxh3_128 is None for f in files):
+        raise ValueError(f"item {name!r}: a format-{version} file record must carry xxh3_128")
+    return ItemEntry(handler=handler, version=handler_version, dropped=dropped, files=files)
 
 
 def check_metrics(metrics: Any, *, argument: str = "metrics") -> dict[str, float]:
@@ -207,7 +286,7 @@ def check_metrics(metrics: Any, *, argument: str = "metrics") -> dict[str, float
             raise TypeError(f"{argument}[{key!r}] must be a number, got a bool")
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise TypeError(
                 f"{argument}[{key!r}] must be a real number, got {type(value).__qualname__}"
             ) from None

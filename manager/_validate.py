@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from cairn.manager._format import MANIFEST, METRICS
-
-_ITEM_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
-_RESERVED = {MANIFEST, METRICS}
+from cairn.manager._format import item_name_problem
 
 
 def as_step(step: Any, *, argument: str = "step") -> int:
@@ -39,11 +35,9 @@ def as_step(step: Any, *, argument: str = "step") -> int:
 def check_item_name(name: Any) -> str:
     if not isinstance(name, str):
         raise TypeError(f"item names must be str, got {type(name).__qualname__} ({name!r})")
-    if not _ITEM_NAME.fullmatch(name) or name in _RESERVED:
-        raise ValueError(
-            f"bad item name {name!r}: use letters, digits, '_', '-' and '.', not starting with "
-            f"'.', and not {sorted(_RESERVED)}"
-        )
+    problem = item_name_problem(name)
+    if problem:
+        raise ValueError(problem)
     return name
 
 

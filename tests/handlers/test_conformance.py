@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from cairn.handlers import (
     StoredItem,
     TrainStateHandler,
 )
+from cairn.handlers._files import content_hash
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager
 
@@ -74,13 +74,13 @@ class HandlerContract:
         self.assert_restored(got, self.sample())
 
     def test_records_describe_the_files(self, handler: Handler, tmp_path: Path) -> None:
-        """Each record names a distinct relative file with its true size and crc32c."""
+        """Each record names a distinct relative file with its true size and content hash."""
         records = write_item(handler, self.sample(), tmp_path / "item")
         assert records and len({r.path for r in records}) == len(records)
         for r in records:
             data = (tmp_path / "item" / r.path).read_bytes()
             assert not r.path.startswith("/") and ".." not in r.path.split("/")
-            assert (r.size, r.crc32c) == (len(data), crc32c.crc32c(data))
+            assert (r.size, r.xxh3_128) == (len(data), content_hash(data))
 
     def test_describe_is_json(self, handler: Handler, tmp_path: Path) -> None:
         """describe() returns something JSON-serialisable."""

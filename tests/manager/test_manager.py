@@ -206,8 +206,8 @@ def test_metadata_is_stored_and_read_back(tmp_path: Path) -> None:
     assert info.items["s"].handler == "cairn.train_state" and info.items["s"].bytes > 0
     assert set(info.telemetry) >= {"blocked_s", "write_s", "commit_s", "bytes", "bytes_per_s"}
     manifest = json.loads((tmp_path / "checkpoint_1" / "_CHECKPOINT.json").read_bytes())
-    assert manifest["format_version"] == 1 and manifest["step"] == 1
-    assert manifest["items"]["s"]["files"][0].keys() == {"path", "size", "crc32c"}
+    assert manifest["format_version"] == 2 and manifest["step"] == 1
+    assert manifest["items"]["s"]["files"][0].keys() == {"path", "size", "xxh3_128"}
 
 
 def test_leftovers_are_removed_at_start_but_not_by_readers(tmp_path: Path) -> None:
@@ -335,7 +335,7 @@ def test_damaged_array_file_names_the_file_and_falls_back(tmp_path: Path) -> Non
     with CheckpointManager(tmp_path, read_only=True) as mgr:
         with pytest.raises(
             CorruptCheckpointError,
-            match=r"step 2, item 's', file .*arrays/0/0\.0 \(leaf \['w'\]\) fails its crc32c",
+            match=r"step 2, item 's', file .*arrays/0/0\.0 \(leaf \['w'\]\) is not the chunk the manifest records",
         ):
             mgr.restore(2)
         assert_tree_equal(mgr.restore()["s"], state(1))
@@ -362,7 +362,7 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
         assert mgr.all_steps() == [1]
         for call in (lambda: mgr.restore(1), lambda: mgr.restore(), lambda: mgr.info(1)):
             with pytest.raises(
-                UnsupportedFormatError, match="format version 99; this cairn reads up to 1"
+                UnsupportedFormatError, match="format version 99; this cairn reads up to 2"
             ):
                 call()
 
