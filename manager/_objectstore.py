@@ -2,10 +2,13 @@
 
 Everything goes through TensorStore's kvstore API: it is already what writes arrays, it speaks
 S3 and GCS with the standard credentials, and it offers the one primitive the commit needs, a
-conditional write (``If-None-Match``), so two writers racing to commit one step cannot both win.
-Object stores have no rename, so the protocol of DESIGN.md applies: a step's data objects first,
-then its manifest, written last and only if absent; a prefix without a manifest does not exist
-for any reader. Deletion removes the manifest first, then the data.
+conditional write (``If-None-Match`` / ``If-Match``), so two writers racing to commit one step
+cannot both win. Object stores have no rename, so the protocol of DESIGN.md applies: a step's data
+objects first, then its manifest, written last; a prefix without a manifest does not exist for any
+reader. The manifest's key is claimed first (a claim object, created only if absent) and the
+manifest replaces exactly that claim (If-Match), so a writer whose claim was removed meanwhile,
+say by a writer that took its expired lease over, commits nothing. Deletion removes the manifest
+first, then the data.
 
 Handlers keep writing into a local directory: a save is written into a local staging directory
 and uploaded by the commit thread; a restore downloads the step's files into a local cache and
@@ -31,7 +34,9 @@ from cairn.manager._commit import SaveJob, build_manifest, write_items
 from cairn.manager._format import MANIFEST, METRICS, Manifest, StepNames, dump_checked
 
 LEASE = ".cairn.lock"
-LEASE_SECONDS = 3600.0
+LEASE_SECONDS = 3600.0  # read when a lease is taken (the tests shorten it)
+CLAIM = ".claim"  # delete_step's mark, before the manifest goes; older writers' claim too
+_CLAIM_TAG = b'{"cairn_claim": '  # how a claim at a manifest's key begins; a manifest never does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +132,15 @@ class ObjectStore:
         result = self._kv.read(key).result()
         return (bytes(result.value) if result.state == "value" else None), result.stamp.generation
 
-    def write(self, key: str, data: bytes, *, if_generation: Any = None) -> bool:
-        """Write an object; with `if_generation`, only if the object is still at that generation
-        (the generation read from a missing key means "only if absent"). False if it was not."""
-        if if_generation is None:
-            self._kv.write(key, data).result()
-            return True
+    def write(self, key: str, data: bytes, *, if_generation: Any = None) -> Any:
+        """Write an object and return its new generation; with `if_generation`, only if the
+        object is still at that generation (sent as If-Match, atomic on the server; the
+        generation of a missing key means "only if absent", If-None-Match). None if it was not."""
         stamp = self._kv.write(key, data, if_equal=if_generation).result()
-        return bool(stamp.generation)
+        return stamp.generation or None
 
-    def write_if_absent(self, key: str, data: bytes) -> bool:
-        """Create the object only if it does not exist (If-None-Match); False if it did."""
+    def create(self, key: str, data: bytes) -> Any:
+        """Create the object only if it does not exist; its generation, or None if it did."""
         return self.write(key, data, if_generation=self._no_value)
 
     @functools.cached_property
@@ -146,11 +149,17 @@ class ObjectStore:
         absent". The same for every key: read once from a key that never exists."""
         return self._kv.read(".cairn-no-such-key").result().stamp.generation
 
-    def delete(self, key: str) -> None:
-        self._kv.write(key, None).result()
+    def delete(self, key: str, *, if_generation: Any = None) -> None:
+        """Delete an object; with `if_generation`, only if it is still at that generation
+        (TensorStore checks that with a HEAD request first: not atomic)."""
+        self._kv.write(key, None, if_equal=if_generation).result()
 
     def delete_prefix(self, prefix: str) -> None:
-        self._kv.delete_range(self._ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+        self.delete_range(prefix, _successor(prefix))
+
+    def delete_range(self, start: str, stop: str) -> None:
+        """Delete every key k with start <= k < stop."""
+        self._kv.delete_range(self._ts.KvStore.KeyRange(start, stop)).result()
 
     def upload_tree(self, local: Path, prefix: str, skip: Iterable[str] = ()) -> int:
         """Upload every file under `local` to `prefix` + its relative path; returns the bytes."""
@@ -196,65 +205,138 @@ def _dead_here(owner: str) -> bool:
     return False
 
 
+def _parse_lease(data: bytes) -> tuple[float, str]:
+    """A lease object's expiry time and owner; (0.0, "unknown") if it does not parse."""
+    try:
+        held = json.loads(data)
+        return float(held["expires"]), str(held["owner"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0, "unknown"
+
+
 class Lease:
     """One writer per object-store directory: a lease object ``.cairn.lock`` created only if
-    absent (or expired), refreshed at each commit, deleted at close.
+    absent (or expired), checked before and after each upload, refreshed at each commit,
+    deleted at close.
 
     A writer that crashed leaves its lease; another writer may take it over once it expired
-    (`seconds` after the last refresh, one hour by default), or at once when the owner was a
-    process on the same host that no longer runs.
+    (`LEASE_SECONDS` after the last refresh, one hour), or at once when the owner was a process on
+    the same host that no longer runs. A writer whose lease was taken over (or deleted) has lost
+    it for good: every later check raises DirectoryLockedError, so it commits nothing more.
     """
 
-    def __init__(self, store: ObjectStore, seconds: float = LEASE_SECONDS) -> None:
-        self._store, self._seconds = store, seconds
+    def __init__(self, store: ObjectStore) -> None:
+        self._store, self._seconds = store, LEASE_SECONDS
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        data, generation = store.read_with_generation(LEASE)
+        self._lost: str | None = None
+        data, self._generation = store.read_with_generation(LEASE)
         if data is not None:
-            try:
-                held = json.loads(data)
-                expires, owner = float(held["expires"]), str(held["owner"])
-            except (ValueError, KeyError, TypeError):
-                expires, owner = 0.0, "unknown"
+            expires, owner = _parse_lease(data)
             if expires > time.time() and not _dead_here(owner):
                 raise DirectoryLockedError(
                     f"{store.url} is held by another writable CheckpointManager ({owner}) until "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))}; open it with "
                     "read_only=True to read alongside"
                 )
-        self._generation = generation
-        if not self.refresh():
+        if not self._write():
             raise DirectoryLockedError(f"{store.url}: another writer took the lease first")
 
-    def refresh(self) -> bool:
+    def _write(self) -> bool:
         body = json.dumps({"owner": self._owner, "expires": time.time() + self._seconds}).encode()
-        if not self._store.write(LEASE, body, if_generation=self._generation):
+        generation = self._store.write(LEASE, body, if_generation=self._generation)
+        if generation is None:
             return False
-        _, self._generation = self._store.read_with_generation(LEASE)
+        self._generation = generation
         return True
 
+    def check(self) -> None:
+        """DirectoryLockedError if the lease is no longer this manager's (one read)."""
+        if self._lost is None:
+            data, generation = self._store.read_with_generation(LEASE)
+            if generation == self._generation:
+                return
+            self._lose(data)
+        raise DirectoryLockedError(self._lost)
+
+    def refresh(self) -> None:
+        """Extend the lease by `LEASE_SECONDS`; DirectoryLockedError if it was lost."""
+        if self._lost is None:
+            if self._write():
+                return
+            self._lose(self._store.read(LEASE))
+        raise DirectoryLockedError(self._lost)
+
+    def _lose(self, data: bytes | None) -> None:
+        how = "deleted" if data is None else f"taken over by {_parse_lease(data)[1]}"
+        self._lost = (
+            f"{self._store.url}: this manager's lease {LEASE} was {how} (a lease not refreshed "
+            f"by a commit for {self._seconds:g} s expires and another writer may take it); it "
+            "commits nothing more: close it, and open a new writable CheckpointManager once the "
+            "other writer has closed"
+        )
+
     def release(self) -> None:
-        data, generation = self._store.read_with_generation(LEASE)
-        if data is not None and json.loads(data).get("owner") == self._owner:
-            self._store.delete(LEASE)
-        del generation
+        """Delete the lease, unless it is no longer this manager's."""
+        if self._lost is None:
+            self._store.delete(LEASE, if_generation=self._generation)
 
 
-CLAIM = ".claim"
+def _claim(purpose: str) -> bytes:
+    """A claim on a step's manifest key: unique, so its generation (ETag) is ours alone."""
+    return json.dumps({"cairn_claim": purpose, "id": uuid.uuid4().hex}).encode()
 
 
-def commit_step(store: ObjectStore, staging: Path, names: StepNames, job: SaveJob) -> Manifest:
-    """Write one step into the object store; the manifest, written last and only if absent, is
-    the commit. On any failure no manifest exists, so nothing is visible.
+def read_manifest(store: ObjectStore, name: str) -> bytes | None:
+    """The manifest of step `name`, or None when it has none: absent, or a claim (a save or a
+    removal in progress). Every read of a manifest from a store goes through here."""
+    data = store.read(f"{name}/{MANIFEST}")
+    return None if data is None or data.startswith(_CLAIM_TAG) else data
 
-    The order: claim the step (a ``.claim`` object created only if absent, so a second writer
-    racing for the same step stops before it uploads anything), write the items into a local
-    staging directory, upload them, write the manifest if absent, drop the claim.
+
+def _take_and_remove(store: ObjectStore, name: str, generation: Any) -> bool:
+    """Remove the uncommitted prefix `name` whose manifest key is at `generation` (a claim, or
+    absent): first replace that claim with our own (If-Match, atomic, so a writer about to
+    commit with it commits nothing, and a prefix changed meanwhile is left alone), then every
+    other object, then our claim, so that a crash part-way leaves a claimed prefix, which the
+    next writer removes. False if the prefix had changed."""
+    key = f"{name}/{MANIFEST}"
+    ours = store.write(key, _claim("removing"), if_generation=generation)
+    if ours is None:
+        return False
+    store.delete_range(f"{name}/", key)
+    store.delete_range(key + "\0", _successor(f"{name}/"))
+    store.delete(key, if_generation=ours)
+    return True
+
+
+def remove_leftover(store: ObjectStore, name: str) -> None:
+    """A starting writer removes a prefix that a cairn writer claimed and never committed (it
+    died, or lost its lease); a step committed meanwhile stays."""
+    data, generation = store.read_with_generation(f"{name}/{MANIFEST}")
+    if data is None or data.startswith(_CLAIM_TAG):
+        _take_and_remove(store, name, generation)
+
+
+def commit_step(
+    store: ObjectStore, staging: Path, names: StepNames, job: SaveJob, lease: Lease | None = None
+) -> Manifest:
+    """Write one step into the object store; the manifest, written last, is the commit. On any
+    failure no manifest exists, so nothing is visible.
+
+    The order: check the lease; claim the step (a claim object created at the manifest's key only
+    if absent, so a second writer racing for the same step stops before it uploads anything);
+    write the items into a local staging directory and upload them; check the lease again (a
+    writer whose lease was taken over meanwhile stops here); replace the claim with the manifest
+    only if the claim is still the one we wrote (If-Match: a claim that another writer removed,
+    say one that took our expired lease over and cleaned up at its start, fails the write
+    atomically, even if that happened after the check); refresh the lease.
     """
     t0 = time.monotonic()
     final = names.format(job.step)
-    if store.read(f"{final}/{MANIFEST}") is not None or not store.write_if_absent(
-        f"{final}/{CLAIM}", uuid.uuid4().hex.encode()
-    ):
+    if lease is not None:
+        lease.check()
+    claim = store.create(f"{final}/{MANIFEST}", _claim("saving"))
+    if claim is None:
         raise StepAlreadyExistsError(
             f"step {job.step}: {store.url}/{final} is committed or being committed by another writer"
         )
@@ -263,21 +345,25 @@ def commit_step(store: ObjectStore, staging: Path, names: StepNames, job: SaveJo
     try:
         manifest = build_manifest(job, write_items(tmp, job), time.monotonic() - t0)
         store.upload_tree(tmp, f"{final}/")
-        if not store.write_if_absent(f"{final}/{MANIFEST}", manifest.to_bytes()):  # the commit
-            # Another writer committed this step although we held the claim: a server that
-            # ignores conditional writes. Its step is not ours to delete.
-            raise StepAlreadyExistsError(
-                f"step {job.step}: {store.url}/{final} was committed by another writer meanwhile "
-                "(does this server honour conditional writes?)"
+        if lease is not None:
+            lease.check()
+        if store.write(f"{final}/{MANIFEST}", manifest.to_bytes(), if_generation=claim) is None:
+            if lease is not None:
+                lease.check()  # the likely cause, and the clearer message
+            raise DirectoryLockedError(
+                f"step {job.step}: the claim {store.url}/{final}/{MANIFEST} was removed or "
+                "replaced by another writer while the step was being written; nothing was "
+                "committed (is another writer using this directory?)"
             )
-    except StepAlreadyExistsError:
-        raise
     except BaseException:
-        store.delete_prefix(f"{final}/")  # our claim and whatever we uploaded; no manifest yet
+        _take_and_remove(store, final, claim)  # only while the claim is still ours
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    store.delete(f"{final}/{CLAIM}")
+    if lease is not None:
+        # Lost since the last check: this step is whole (its claim was intact at the commit) and
+        # stays committed; the error stops every later commit.
+        lease.refresh()
     return manifest
 
 
@@ -285,7 +371,8 @@ def scan(
     store: ObjectStore, names: StepNames
 ) -> tuple[dict[int, tuple[bytes, bytes | None]], list[str]]:
     """Committed steps (manifest bytes, metrics.json bytes or None) and the prefixes a cairn
-    writer claimed but never committed (it died before writing the manifest)."""
+    writer claimed but never committed (it died, or lost its lease, before the commit); a
+    writer removes those with `remove_leftover`."""
     by_step: dict[int, set[str]] = {}
     for key in store.list_keys():
         head, sep, rest = key.partition("/")
@@ -295,11 +382,11 @@ def scan(
     committed, leftovers = {}, []
     for step, rests in sorted(by_step.items()):
         name = names.format(step)
-        manifest = store.read(f"{name}/{MANIFEST}") if MANIFEST in rests else None
+        manifest = read_manifest(store, name) if MANIFEST in rests else None
         if manifest is None:
             # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say, an
             # Orbax step) is not ours to delete, and not a step we can read.
-            if CLAIM in rests:
+            if MANIFEST in rests or CLAIM in rests:
                 leftovers.append(name)
             continue
         metrics = store.read(f"{name}/{METRICS}") if METRICS in rests else None

@@ -11,12 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import Gate
 from iterutil import Shuffled, advanced, take
 from s3util import s3_env
 from treeutil import assert_tree_equal
 
+from cairn.handlers import InMemoryHandler
 from cairn.manager import (
     CheckpointManager,
+    CommitError,
     DirectoryLockedError,
     KeepLatest,
     StepAlreadyExistsError,
@@ -24,7 +27,7 @@ from cairn.manager import (
     _objectstore,
 )
 from cairn.manager._commit import SaveJob
-from cairn.manager._format import StepNames
+from cairn.manager._format import MANIFEST, StepNames
 
 TESTS = Path(__file__).parents[1]
 
@@ -257,13 +260,17 @@ def test_a_writer_leaves_foreign_prefixes_alone(s3_bucket: str) -> None:
     store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
     store.write("checkpoint_7/commit_success.txt", b"")
     store.write("checkpoint_7/state/_METADATA", b"{}")
-    store.write("checkpoint_9/.claim", b"crashed")  # a cairn save that died before its commit
+    store.write("checkpoint_8/.claim", b"crashed")  # a save by an older cairn that died
+    store.write("checkpoint_8/state/tree.json", b"{}")
+    store.write(f"checkpoint_9/{MANIFEST}", b'{"cairn_claim": "saving", "id": "0"}')  # this one
     store.write("checkpoint_9/state/tree.json", b"{}")
+    with CheckpointManager(url, read_only=True) as reader:
+        assert reader.all_steps() == []
     with CheckpointManager(url) as mgr:
         assert mgr.all_steps() == []
     keys = store.list_keys()
     assert "checkpoint_7/state/_METADATA" in keys
-    assert not [k for k in keys if k.startswith("checkpoint_9/")]
+    assert not [k for k in keys if k.startswith(("checkpoint_8/", "checkpoint_9/"))]
 
 
 def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) -> None:
@@ -277,3 +284,106 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
     with CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [2]
     assert store.list_keys("checkpoint_1/") == []
+
+
+def hold(mgr: CheckpointManager, where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold the manager's commit thread on `gate` once a step's files are uploaded: right after
+    the upload, or right after the lease check that follows it (just before the manifest)."""
+    store, lease = mgr._store, mgr._lease
+    assert store is not None and lease is not None
+    uploaded = threading.Event()
+    upload, check = store.upload_tree, lease.check
+
+    def held_upload(*args: Any, **kwargs: Any) -> int:
+        sent = upload(*args, **kwargs)
+        uploaded.set()
+        if where == "after the upload":
+            gate()
+        return sent
+
+    def held_check() -> None:
+        check()
+        if where == "after the lease check" and uploaded.is_set():
+            uploaded.clear()
+            gate()
+
+    monkeypatch.setattr(store, "upload_tree", held_upload)
+    monkeypatch.setattr(lease, "check", held_check)
+
+
+@pytest.mark.parametrize("where", ["after the upload", "after the lease check"])
+def test_a_writer_whose_lease_was_taken_over_commits_nothing(
+    s3_bucket: str, gate: Gate, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Writer A has uploaded step 2 when its expired lease is taken over by writer B, whose start
+    removes A's claimed, uncommitted step. A must not commit it (nor anything later) and must say
+    why; B never lists A's step, and B's own saves work."""
+    url = f"{s3_bucket}/takeover"
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    monkeypatch.setattr(_objectstore, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
+    a = CheckpointManager(url)
+    try:
+        a.save(1, {"state": state(1)})
+        a.wait_until_finished()
+        hold(a, where, gate, monkeypatch)
+        a.save(2, {"state": state(2)})
+        assert gate.entered.wait(60)  # step 2 is uploaded and claimed, not committed
+        assert store.list_keys("checkpoint_2/state/")
+        monkeypatch.setattr(_objectstore, "LEASE_SECONDS", 3600.0)
+        with CheckpointManager(url) as b:  # takes A's lease over, removes A's step 2
+            assert b.all_steps() == [1]
+            assert store.list_keys("checkpoint_2/") == []
+            gate.release.set()
+            with pytest.raises(
+                CommitError, match=r"lease \.cairn\.lock was taken over by \S+:\d+:"
+            ):
+                a.wait_until_finished()
+            assert a.all_steps() == [1]
+            assert f"checkpoint_2/{MANIFEST}" not in store.list_keys("checkpoint_2/")
+            b.reload()
+            assert b.all_steps() == [1]
+            a.save(3, {"state": state(3)})  # a writer that lost its lease commits nothing more
+            with pytest.raises(CommitError, match="commits nothing more") as lost:
+                a.wait_until_finished()
+            assert isinstance(lost.value.__cause__, DirectoryLockedError)
+            a.close()  # leaves B's lease alone
+            for step in (2, 3, 4):
+                b.save(step, {"state": state(step)})
+            b.wait_until_finished()
+            assert b.all_steps() == [1, 2, 3, 4]
+        with CheckpointManager(url, read_only=True) as reader:
+            assert reader.all_steps() == [1, 2, 3, 4]
+            for step in (1, 2, 3, 4):
+                assert_tree_equal(reader.restore(step, fallback=False)["state"], state(step))
+    finally:
+        gate.release.set()
+        a.close()
+
+
+@pytest.mark.parametrize("removed", ["the claim", "the claimed prefix"])
+def test_a_save_whose_claim_was_removed_commits_nothing(
+    s3_bucket: str, gate: Gate, monkeypatch: pytest.MonkeyPatch, removed: str
+) -> None:
+    """Another writer deletes the claim of a step being saved (or the whole prefix) while the
+    writer still holds its lease: the manifest, which may only replace that claim, is not
+    written, and nothing of the step is listed."""
+    url = f"{s3_bucket}/unclaimed"
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    handler = InMemoryHandler()
+    with CheckpointManager(url, handlers={"x": handler}) as a:
+        hold(a, "after the upload", gate, monkeypatch)
+        a.save(1, {"state": state(1), "x": "first"})
+        assert gate.entered.wait(60)
+        if removed == "the claim":
+            store.delete(f"checkpoint_1/{MANIFEST}")
+        else:
+            store.delete_prefix("checkpoint_1/")
+        gate.release.set()
+        with pytest.raises(CommitError, match="removed or replaced by another writer"):
+            a.wait_until_finished()
+        assert a.all_steps() == []
+        with CheckpointManager(url, read_only=True) as reader:
+            assert reader.all_steps() == []
+        a.save(1, {"state": state(1), "x": "second"})  # the lease is intact: saves go on
+        a.wait_until_finished()
+        assert a.all_steps() == [1] and a.restore(1)["x"] == "second"
