@@ -9,16 +9,16 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
@@ -58,6 +58,7 @@ from cairn.manager._policies import (
     SaveContext,
     SavePolicy,
     StepView,
+    checked_should_save,
     find_keep_best,
     find_on_preemption,
     policy_kind,
@@ -68,6 +69,9 @@ from cairn.manager._validate import as_step, check_item_name, check_items
 
 log = logging.getLogger("cairn")
 T = TypeVar("T")
+# How often a read starts over because the step's manifest changed under it (each change is an
+# item dropped by the writer's retention, so a step changes at most once per item).
+_REREADS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,10 +349,12 @@ class CheckpointManager:
             preempted=preempted,
         )
         if self._procs.count == 1 or not _uses_time(self._save_policy):
-            return bool(self._save_policy.should_save(step, context))
+            return checked_should_save(self._save_policy, step, context)
         # Clocks differ between hosts: the primary decides, everyone follows.
         mine = (
-            str(bool(self._save_policy.should_save(step, context))) if self._procs.primary else None
+            str(checked_should_save(self._save_policy, step, context))
+            if self._procs.primary
+            else None
         )
         return self._procs.broadcast(self._collective("should_save"), mine, self._timeout) == "True"
 
@@ -472,11 +478,9 @@ class CheckpointManager:
             try:
                 manifest: Manifest | None
                 if self._store is not None:
-                    manifest = _objectstore.commit_step(self._store, self._root, self._names, job)
-                    if self._lease is not None and not self._lease.refresh():
-                        raise DirectoryLockedError(
-                            f"{self._where}: another writer took over this directory's lease"
-                        )
+                    manifest = _objectstore.commit_step(
+                        self._store, self._root, self._names, job, self._lease
+                    )
                 else:
                     manifest = _commit.commit_step(
                         self._root, self._names, job, procs, timeout_s=self._timeout
@@ -725,8 +729,10 @@ class CheckpointManager:
         to a target each (None for no target). Returns ``{name: restored}`` for those items.
         With ``step=None`` a damaged newest step is skipped with a logged warning in favour of the
         next one, unless ``fallback=False``; a given step that is damaged always raises
-        CorruptCheckpointError naming the file. Pending commits finish first (their errors are
-        left for the next save, wait_until_finished, check_for_errors or close).
+        CorruptCheckpointError naming the file. An item that a writer's per-item retention drops
+        while it is read is not damage: it is left out (items=None), or ItemNotFoundError when
+        named. Pending commits finish first (their errors are left for the next save,
+        wait_until_finished, check_for_errors or close).
         """
         if not isinstance(fallback, bool):
             raise TypeError(f"fallback must be a bool, got {fallback!r}")
@@ -777,13 +783,33 @@ class CheckpointManager:
         return restored
 
     def _read_items(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
-        manifest = self._manifest(step)
-        step_dir = self._root / self._names.format(step)
-        if wanted is None:
-            wanted = {n: None for n, e in manifest.items.items() if not e.dropped}
-        if self._store is not None:
-            known = [n for n in wanted if n in manifest.items and not manifest.items[n].dropped]
-            step_dir = self._fetch(step, manifest, known)
+        """The wanted items of a step (None: every item it has), read with the manifest this
+        manager holds, which a writer's retention may have changed since: after the reads, and
+        after a read that fails, the manifest is read again. A step gone is StepNotFoundError; if
+        an item read was dropped meanwhile, the reads start over with the new manifest (a named
+        item is then ItemNotFoundError); only damage under an unchanged manifest is damage."""
+        for _ in range(_REREADS):
+            manifest = self._manifest(step)
+            items = (
+                wanted
+                if wanted is not None
+                else {n: None for n, e in manifest.items.items() if not e.dropped}
+            )
+            try:
+                restored = self._read_once(step, manifest, items)
+            except CorruptCheckpointError:
+                if not self._reread_manifest(step, manifest, items):
+                    raise
+                continue
+            # A read racing with a drop can also find nothing and say nothing (TensorStore
+            # reads a missing chunk as fill values): what was read counts only if it stayed.
+            if not self._reread_manifest(step, manifest, items):
+                return restored
+        raise CorruptCheckpointError(
+            f"step {step} in {self._where} changed {_REREADS} times while being read"
+        )
+
+    def _read_once(self, step: int, manifest: Manifest, wanted: dict[str, Any]) -> dict[str, Any]:
         for name in wanted:
             entry = manifest.items.get(name)
             if entry is None:
@@ -792,6 +818,9 @@ class CheckpointManager:
                 )
             if entry.dropped:
                 raise ItemNotFoundError(f"item {name!r} of step {step} was dropped by retention")
+        step_dir = self._root / self._names.format(step)
+        if self._store is not None:
+            step_dir = self._fetch(step, manifest, list(wanted))
         restored = {}
         for name, target in wanted.items():
             entry = manifest.items[name]
@@ -807,25 +836,14 @@ class CheckpointManager:
                     f"{entry.version}; this cairn has version {handler.version}"
                 )
             stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
-            try:
-                stored.check_files()  # a missing or truncated file fails before any parsing
-            except CorruptCheckpointError:
-                self._check_still_there(step, step_dir)
-                raise
+            stored.check_files()  # a missing or truncated file fails before any parsing
             try:
                 with writing_as(self._me.index, self._me.count):  # per-process data: this one's
                     restored[name] = handler.restore(stored, target)
-            except CorruptCheckpointError:
-                self._check_still_there(step, step_dir)
-                raise
             except FileNotFoundError as e:  # a file vanished after check_files
-                self._check_still_there(step, step_dir)
                 raise CorruptCheckpointError(
                     f"step {step}, item {name!r}: {e.filename or e} is missing"
                 ) from None
-        # The writer's retention renames a step away at once: if that happened during the
-        # reads, some could have found nothing (TensorStore reads a missing chunk as fill values).
-        self._check_still_there(step, step_dir)
         return restored
 
     def _fetch(self, step: int, manifest: Manifest, items: list[str]) -> Path:
@@ -835,22 +853,38 @@ class CheckpointManager:
         try:
             return _objectstore.fetch(self._store, name, manifest, items, self._root / "cache")
         except FileNotFoundError as e:
-            if self._store.read(f"{name}/{MANIFEST}") is None:
+            if _objectstore.read_manifest(self._store, name) is None:
                 with self._lock:
                     self._steps.pop(step, None)
                 raise StepNotFoundError(f"step {step} was deleted from {self._where}") from None
             raise CorruptCheckpointError(f"step {step}: {e} is missing") from None
 
-    def _check_still_there(self, step: int, step_dir: Path) -> None:
-        """A step deleted meanwhile (by the writer's retention) is gone, not damaged."""
+    def _reread_manifest(self, step: int, used: Manifest, items: Iterable[str]) -> bool:
+        """Read a step's manifest from disk again after reading `items` with `used`: True if
+        one of them changed meanwhile (the writer's per-item retention dropped it), the step's
+        record then holding the new manifest; StepNotFoundError if the step was deleted."""
+        name = self._names.format(step)
         if self._store is not None:
-            gone = self._store.read(f"{self._names.format(step)}/{MANIFEST}") is None
+            data = _objectstore.read_manifest(self._store, name)
+            where = f"{self._where}/{name}"
+            fresh = None if data is None else self._parse_step(step, where, data, None)
         else:
-            gone = not step_dir.exists()
-        if gone:
+            fresh = self._read_step(step, self._root / name)
+            if fresh.manifest is None and not os.path.lexists(self._root / name):
+                fresh = None
+        if fresh is None:
             with self._lock:
                 self._steps.pop(step, None)
-            raise StepNotFoundError(f"step {step} was deleted from {self._root} while being read")
+            raise StepNotFoundError(f"step {step} was deleted from {self._where} while being read")
+        if fresh.manifest is not None and all(
+            fresh.manifest.items.get(n) == used.items.get(n) for n in items
+        ):
+            return False
+        with self._lock:
+            rec = self._steps.get(step)
+            if rec is not None:  # its late metrics stay: they are another file
+                rec.manifest, rec.error = fresh.manifest, fresh.error
+        return True
 
     def _record(self, step: int) -> tuple[_Step, Manifest]:
         """The step's record and manifest, read once; raises the step's own error if unreadable."""
@@ -889,44 +923,51 @@ class CheckpointManager:
         """Read every file of a committed step and check it; returns the problems found (none:
         the step is intact). Each names the file: missing, truncated, failing its checksum, a
         link, or an unreadable manifest or ``metrics.json``. `progress(n)` is called with the
-        bytes of each file checked."""
+        bytes of each file checked. Files that a writer's retention dropped while they were
+        being checked are no problem: the step is checked again under its new manifest."""
         step = as_step(step)
         self._wait_if_inflight(step)
-        with self._lock:
-            rec = self._steps.get(step)
-        if rec is None:
-            raise StepNotFoundError(self._missing(step))
-        if rec.manifest is None:
-            return [str(rec.error)]
-        step_dir = self._root / self._names.format(step)
-        if self._store is not None:
-            live = [n for n, e in rec.manifest.items.items() if not e.dropped]
-            try:
-                step_dir = self._fetch(step, rec.manifest, live)
-            except CorruptCheckpointError as e:
-                return [str(e)]
-        problems = []
-        for name, entry in rec.manifest.items.items():
-            if entry.dropped:
-                continue
-            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
-            for record in entry.files:
+        for _ in range(_REREADS):
+            with self._lock:
+                rec = self._steps.get(step)
+            if rec is None:
+                raise StepNotFoundError(self._missing(step))
+            if rec.manifest is None:
+                return [str(rec.error)]
+            manifest = rec.manifest
+            live = [n for n, e in manifest.items.items() if not e.dropped]
+            step_dir = self._root / self._names.format(step)
+            if self._store is not None:
                 try:
-                    stored.read_bytes(record.path)
+                    step_dir = self._fetch(step, manifest, live)
                 except CorruptCheckpointError as e:
-                    problems.append(str(e))
-                except OSError as e:
-                    problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
-                if progress is not None:
-                    progress(record.size)
-        metrics = step_dir / METRICS
-        if self._store is None and os.path.lexists(metrics):
-            try:
-                load_checked(read_no_follow(metrics), str(metrics))
-            except (CorruptCheckpointError, OSError) as e:
-                problems.append(f"step {step}: {e}")
-        self._check_still_there(step, step_dir)
-        return problems
+                    if not self._reread_manifest(step, manifest, live):
+                        return [str(e)]
+                    continue
+            problems = []
+            for name in live:
+                entry = manifest.items[name]
+                stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
+                for record in entry.files:
+                    try:
+                        stored.read_bytes(record.path)
+                    except CorruptCheckpointError as e:
+                        problems.append(str(e))
+                    except OSError as e:
+                        problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
+                    if progress is not None:
+                        progress(record.size)
+            metrics = step_dir / METRICS
+            if self._store is None and os.path.lexists(metrics):
+                try:
+                    load_checked(read_no_follow(metrics), str(metrics))
+                except (CorruptCheckpointError, OSError) as e:
+                    problems.append(f"step {step}: {e}")
+            if not (self._reread_manifest(step, manifest, live) and problems):
+                return problems
+        raise CorruptCheckpointError(
+            f"step {step} in {self._where} changed {_REREADS} times while being verified"
+        )
 
     def describe(self, step: Any) -> dict[str, dict[str, Any]]:
         """What each item of a committed step holds, from its handler's ``describe``: for array
@@ -1098,7 +1139,7 @@ class CheckpointManager:
             if clean:
                 for name in leftovers:
                     log.info("cairn: removing uncommitted %s/%s", self._where, name)
-                    self._store.delete_prefix(f"{name}/")
+                    _objectstore.remove_leftover(self._store, name)
             return {
                 step: self._parse_step(step, f"{self._where}/{self._names.format(step)}", *data)
                 for step, data in committed.items()
@@ -1146,7 +1187,7 @@ class CheckpointManager:
     def _read_step(self, step: int, path: Path) -> _Step:
         where = f"manifest {path / MANIFEST} of step {step}"
         try:
-            manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), where)
+            manifest = Manifest.from_bytes(_read_file(path / MANIFEST, where), where)
         except FileNotFoundError:
             try:
                 orbax = _orbax_step(step, path)
@@ -1156,8 +1197,6 @@ class CheckpointManager:
                 return _Step(orbax, foreign=True)
             missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
             return _Step(None, CorruptCheckpointError(missing))
-        except OSError as e:
-            return _Step(None, CorruptCheckpointError(f"{where} cannot be read: {e}"))
         except (CorruptCheckpointError, UnsupportedFormatError) as e:
             return _Step(None, e)
         if manifest.step != step:
@@ -1182,7 +1221,7 @@ class CheckpointManager:
         path = self._root / self._names.format(step)
         if self._store is not None:
             name = self._names.format(step)
-            data = self._store.read(f"{name}/{MANIFEST}")
+            data = _objectstore.read_manifest(self._store, name)
             if data is not None:
                 rec = self._parse_step(step, f"{self._where}/{name}", data, None)
                 with self._lock:
@@ -1246,47 +1285,107 @@ def _orbax_step(step: int, path: Path) -> Manifest | None:
     Orbax marks a finished step with ``commit_success.txt`` and describes it in
     ``_CHECKPOINT_METADATA`` (item handlers, metrics, times); older versions only renamed it
     into place, so a directory whose items Orbax would read counts too.
-    """
-    from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_item_kind
 
-    meta: dict[str, Any] = {}
+    The directory is a stranger's: no link in it is followed, an item directory whose name a
+    save would refuse is left out, and metadata that cannot be read or has the wrong types is
+    ignored, field by field, with a warning, so one odd Orbax step never hides the others.
+    """
+    import math
+    import stat
+
+    from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_items, read_metadata
+    from cairn.manager._format import item_name_problem, parse_json
+
+    where = f"Orbax step {step} at {path}"
     try:
-        meta = json.loads(read_no_follow(path / STEP_METADATA))
+        found = orbax_items(path)
+        mtime = os.lstat(path).st_mtime
     except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as e:
-        log.warning("cairn: ignoring unreadable %s: %s", path / STEP_METADATA, e)
+        raise  # deleted while listed
+    except OSError as e:
+        log.warning("cairn: ignoring %s: it cannot be listed: %s", where, e)
+        return None
     items = {}
-    for child in sorted(path.iterdir()):
-        if child.is_dir() and not child.is_symlink():
-            kind = orbax_item_kind(child)
-            if kind is not None:
-                items[child.name] = ItemEntry(kind, 1, ())
-    marked = bool(meta) or (path / COMMIT_SUCCESS).is_file()
+    for name, kind in found.items():
+        problem = item_name_problem(name)
+        if problem is None:
+            items[name] = ItemEntry(kind, 1, ())
+        else:
+            log.warning("cairn: %s: ignoring an item directory: %s", where, problem)
+
+    def read_object(relpath: str) -> dict[str, Any]:
+        """The JSON object in `relpath`; {} if missing, unreadable or not an object."""
+        try:
+            obj = parse_json(read_metadata(path, relpath), str(path / relpath))
+        except FileNotFoundError:
+            return {}
+        except (OSError, CorruptCheckpointError) as e:
+            log.warning("cairn: %s: ignoring its %s: %s", where, relpath, e)
+            return {}
+        if not isinstance(obj, dict):
+            log.warning("cairn: %s: ignoring its %s: not a JSON object", where, relpath)
+            return {}
+        return obj
+
+    meta = read_object(STEP_METADATA)
+    marked = bool(meta)
+    with contextlib.suppress(OSError):  # commit_success.txt: a regular file, not a link to one
+        marked = marked or stat.S_ISREG(os.lstat(path / COMMIT_SUCCESS).st_mode)
     if not items or not (marked or any(e.handler == "orbax.pytree" for e in items.values())):
         return None
-    metrics: dict[str, float] = {}
     raw = meta.get("metrics")
-    if not (isinstance(raw, dict) and raw) and (path / "metrics" / "metrics").is_file():
-        with contextlib.suppress(OSError, ValueError):
-            raw = json.loads((path / "metrics" / "metrics").read_bytes())
-    if isinstance(raw, dict):
-        metrics = {
-            k: float(v)
-            for k, v in raw.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-    mtime = path.stat().st_mtime
-    started = meta.get("init_timestamp_nsecs")
-    committed = meta.get("commit_timestamp_nsecs")
+    if not isinstance(raw, dict):
+        if raw is not None:
+            log.warning("cairn: %s: ignoring its %s metrics: not an object", where, STEP_METADATA)
+        raw = {}
+    if not raw:
+        raw = read_object("metrics/metrics")
+    metrics: dict[str, float] = {}
+    for key, value in raw.items():
+        try:
+            number = check_metrics({key: value})[key]
+        except TypeError:
+            number = math.nan
+        if math.isfinite(number):
+            metrics[key] = number
+    if len(metrics) < len(raw):
+        ignored = sorted(set(raw) - set(metrics))
+        log.warning("cairn: %s: ignoring metrics that are not finite numbers: %s", where, ignored)
+
+    def seconds(key: str) -> float:
+        """A timestamp in nanoseconds as seconds; the directory's mtime if absent or odd."""
+        value = meta.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+            return value / 1e9
+        if value is not None:
+            log.warning("cairn: %s: ignoring %s %.40r (not an int of ns)", where, key, value)
+        return mtime
+
+    try:
+        custom = check_metadata(meta.get("custom_metadata") or {})
+    except (TypeError, RecursionError) as e:
+        log.warning("cairn: %s: ignoring its custom_metadata: %s", where, e)
+        custom = {}
     return Manifest(
         step=step,
         items=items,
-        started_at=started / 1e9 if isinstance(started, (int, float)) else mtime,
-        committed_at=committed / 1e9 if isinstance(committed, (int, float)) else mtime,
+        started_at=seconds("init_timestamp_nsecs"),
+        committed_at=seconds("commit_timestamp_nsecs"),
         metrics=metrics,
-        metadata={"format": "orbax", "custom_metadata": meta.get("custom_metadata") or {}},
+        metadata={"format": "orbax", "custom_metadata": custom},
     )
+
+
+def _read_file(path: Path, where: str) -> bytes:
+    """A file cairn reads whole from a step (manifest, metrics.json): FileNotFoundError if it is
+    absent, CorruptCheckpointError naming `where` if it is a link, not a regular file, or
+    unreadable."""
+    try:
+        return read_no_follow(path)
+    except FileNotFoundError:
+        raise
+    except (OSError, CorruptCheckpointError) as e:
+        raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
 
 
 def _uses_time(policy: Any) -> bool:
@@ -1376,7 +1475,23 @@ class _DirectoryLock:
     _held: ClassVar[weakref.WeakSet[_DirectoryLock]] = weakref.WeakSet()
 
     def __init__(self, root: Path) -> None:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        path = root / LOCK
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:  # never through a link, never a FIFO or device: the pid is written into this file
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CorruptCheckpointError(
+                f"{path} is a symbolic link; cairn never follows it (it would overwrite the "
+                "link's target). Remove it and try again"
+            ) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
