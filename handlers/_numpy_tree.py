@@ -99,7 +99,7 @@ class NumpyTreeHandler:
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         def read_leaf(node: Mapping[str, Any], target_leaf: Any, path: KeyPath) -> Any:
             check_leaf(node, target_leaf, path)
-            arr = _read_array(stored, node["f"], node["dtype"])
+            arr = _read_array(stored, node["f"], node["dtype"], node["shape"])
             return arr[()] if node["t"] == "npscalar" else arr
 
         return decode(load_tree(stored), read_leaf, NONE if target is None else target)
@@ -111,11 +111,34 @@ class NumpyTreeHandler:
         return "NumpyTreeHandler()"
 
 
-def _read_array(stored: StoredItem, relpath: str, dtype: str) -> np.ndarray:
+def _read_array(stored: StoredItem, relpath: str, dtype: str, shape: list[int]) -> np.ndarray:
+    """One verified ``.npy`` file as an array of `dtype`, its header checked against the bytes
+    that follow it before anything is allocated (NumPy's reader would allocate what the header
+    says)."""
     data = stored.read_bytes(relpath)
+    where = stored.describe_file(relpath)
+    f = io.BytesIO(data)
     try:
-        arr = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:  # checksummed bytes that still do not parse: a bug, but say where
-        raise CorruptCheckpointError(f"{stored.describe_file(relpath)}: {e}") from None
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        header_shape, fortran, stored_dtype = read_header(f)
+    except (ValueError, TypeError, SyntaxError) as e:
+        raise CorruptCheckpointError(f"{where}: not a .npy file NumPy reads: {e}") from None
     want = dtype_from_name(dtype)
+    if list(header_shape) != shape:
+        raise CorruptCheckpointError(f"{where}: shape {header_shape} where tree.json says {shape}")
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    if stored_dtype.hasobject or stored_dtype.itemsize != want.itemsize:
+        raise CorruptCheckpointError(f"{where}: dtype {stored_dtype} where tree.json says {dtype}")
+    if count * want.itemsize != len(data) - f.tell():
+        raise CorruptCheckpointError(
+            f"{where}: its header says shape {header_shape}, which its {len(data) - f.tell()} bytes "
+            "of data do not hold"
+        )
+    arr = np.frombuffer(data, stored_dtype, count=count, offset=f.tell())
+    arr = arr.reshape(shape, order="F" if fortran else "C").copy()
     return arr if arr.dtype == want else arr.view(want)  # .npy stores ml_dtypes as raw void
