@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot, write_file
-from cairn.handlers._files import check_relative, content_hash, fsync_dir, within, writing_as
+from cairn.handlers._files import check_relative, fsync_dir, hash_file, within, writing_as
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._format import (
     MANIFEST,
@@ -193,7 +193,7 @@ def _check_records(
                 f"the file has {size}"
             )
         if record.xxh3_128 is None:
-            record = dataclasses.replace(record, xxh3_128=content_hash(path.read_bytes()))
+            record = dataclasses.replace(record, xxh3_128=hash_file(path))
         out.append(record)
     return tuple(out)
 
