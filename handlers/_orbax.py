@@ -5,22 +5,31 @@ A step directory that has no cairn manifest but Orbax's marks (``_CHECKPOINT_MET
 metrics, and restores its items through these handlers, which call the real orbax-checkpoint
 package (imported only then). Orbax steps are read-only: cairn never writes, drops or deletes
 them. Orbax keeps no checksums, so there is nothing for cairn to verify in them.
+
+An Orbax step is a directory cairn did not write, so everything in it is untrusted: cairn's own
+reads never follow a link (`orbax_items`, `read_metadata`), and before an item is handed to
+orbax or TensorFlow, which would follow links and block on a FIFO, `check_tree` refuses any
+entry of the item's tree that is not a directory or a regular file.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import StoredItem
+from cairn.handlers._files import StoredItem, parse_json, read_no_follow, within
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
 __all__ = [
     "OrbaxDatasetHandler",
     "OrbaxJsonHandler",
     "OrbaxPyTreeHandler",
+    "check_tree",
     "orbax_item_kind",
+    "orbax_items",
+    "read_metadata",
 ]
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -28,18 +37,77 @@ COMMIT_SUCCESS = "commit_success.txt"
 _PYTREE_MARKS = ("_METADATA", "manifest.ocdbt", "_sharding", "checkpoint")
 
 
+def orbax_items(step_dir: Path) -> dict[str, str]:
+    """The Orbax items of a step directory: name -> handler id, sorted by name.
+
+    Only real directories count (a link is never followed). OSError if `step_dir` cannot be
+    listed (FileNotFoundError: it was deleted meanwhile).
+    """
+    with os.scandir(step_dir) as entries:
+        names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    kinds = {name: orbax_item_kind(step_dir / name) for name in names}
+    return {name: kind for name, kind in kinds.items() if kind is not None}
+
+
 def orbax_item_kind(path: Path) -> str | None:
     """The handler id for an Orbax item directory, or None if it is not one cairn reads."""
-    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    if any(mark in names for mark in _PYTREE_MARKS):
+    try:
+        with os.scandir(path) as it:
+            is_dir = {e.name: e.is_dir(follow_symlinks=False) for e in it}
+    except OSError:  # not a directory, gone, unreadable: not an item cairn can read
+        return None
+    if any(mark in is_dir for mark in _PYTREE_MARKS):
         return OrbaxPyTreeHandler.id
-    has_index = any(n.endswith(".index") for n in names)
-    per_process = any(n.startswith("process_") and (path / n).is_dir() for n in names)
+    has_index = any(n.endswith(".index") for n in is_dir)
+    per_process = any(n.startswith("process_") and d for n, d in is_dir.items())
     if has_index or per_process:  # tf.train.Checkpoint files, T5X's dataset item
         return OrbaxDatasetHandler.id
-    if "metadata" in names:
+    if "metadata" in is_dir:
         return OrbaxJsonHandler.id
     return None
+
+
+def read_metadata(step_dir: Path, relpath: str) -> bytes:
+    """The bytes of the metadata file `relpath` of an Orbax step (``_CHECKPOINT_METADATA``,
+    ``metrics/metrics``), read without following a link on the way or at the end and without
+    blocking on a FIFO: FileNotFoundError if missing, OSError or CorruptCheckpointError if it
+    is a link or not a regular file."""
+    return read_no_follow(within(step_dir, relpath, what=f"Orbax step {step_dir}"))
+
+
+def check_tree(directory: Path, where: str) -> None:
+    """CorruptCheckpointError naming `where` and the entry unless `directory` and its step
+    directory are real directories (not links) and every entry below holds only directories
+    and regular files: orbax and TensorFlow follow links (out of the step) and block on FIFOs."""
+
+    def refuse(path: str, mode: int) -> CorruptCheckpointError:
+        kind = (
+            "a symbolic link"
+            if stat.S_ISLNK(mode)
+            else f"not a regular file ({stat.filemode(mode)})"
+        )
+        return CorruptCheckpointError(
+            f"{where}: {path} is {kind}; cairn hands an Orbax item to orbax only when its "
+            "directory holds nothing but directories and regular files"
+        )
+
+    try:
+        for path in (directory.parent, directory):
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISDIR(mode):
+                raise refuse(str(path), mode)
+        pending = [str(directory)]
+        while pending:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif not entry.is_file(follow_symlinks=False):
+                        raise refuse(entry.path, entry.stat(follow_symlinks=False).st_mode)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where}: {e.filename} is missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
 
 
 class _ReadOnly:
@@ -58,6 +126,10 @@ class _ReadOnly:
         return f"{type(self).__name__}()"
 
 
+def _where(stored: StoredItem) -> str:
+    return f"step {stored.step}, item {stored.name!r} (Orbax, {stored.directory})"
+
+
 class OrbaxPyTreeHandler(_ReadOnly):
     """An item written with Orbax's StandardSave or PyTreeSave (OCDBT or not).
 
@@ -70,8 +142,9 @@ class OrbaxPyTreeHandler(_ReadOnly):
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         import orbax.checkpoint as ocp
 
+        where = _where(stored)
+        check_tree(stored.directory, where)
         checkpointer = ocp.PyTreeCheckpointer()
-        where = f"step {stored.step}, item {stored.name!r} (Orbax, {stored.directory})"
         try:
             if target is None:  # NumPy arrays: no saved sharding needed, any topology
                 import jax
@@ -95,6 +168,11 @@ class OrbaxPyTreeHandler(_ReadOnly):
             raise MismatchError(
                 f"{where}: orbax could not restore it: {type(e).__name__}: {e}"
             ) from e
+        except Exception as e:
+            # orbax on metadata it did not expect: KeyError, AttributeError, RecursionError, ...
+            raise CorruptCheckpointError(
+                f"{where}: orbax could not read it: {type(e).__name__}: {e!s:.300}"
+            ) from e
 
 
 class OrbaxJsonHandler(_ReadOnly):
@@ -104,13 +182,14 @@ class OrbaxJsonHandler(_ReadOnly):
 
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         del target
+        where = _where(stored)
+        check_tree(stored.directory, where)
         path = stored.directory / "metadata"
         try:
-            return json.loads(path.read_bytes())
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"step {stored.step}, item {stored.name!r}: {path} cannot be read: {e}"
-            ) from e
+            data = read_no_follow(path)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{where}: {path} cannot be read: {e}") from e
+        return parse_json(data, f"{where}: {path}")
 
 
 class OrbaxDatasetHandler(_ReadOnly):
@@ -130,6 +209,8 @@ class OrbaxDatasetHandler(_ReadOnly):
             )
         import tensorflow as tf
 
+        where = _where(stored)
+        check_tree(stored.directory, where)
         directory = stored.directory
         index, count = writing_process()
         if count > 1:
@@ -140,5 +221,12 @@ class OrbaxDatasetHandler(_ReadOnly):
                 f"step {stored.step}, item {stored.name!r}: expected one tf.train.Checkpoint in "
                 f"{directory}, found {[p.name for p in prefixes]}"
             )
-        tf.train.Checkpoint(ds=target).read(str(prefixes[0])).assert_consumed()
+        try:
+            tf.train.Checkpoint(ds=target).read(str(prefixes[0])).assert_consumed()
+        except AssertionError as e:  # assert_consumed: not this pipeline's iterator
+            raise MismatchError(f"{where}: {e}") from e
+        except Exception as e:  # tf.errors.OpError, IndexError ("Read less bytes than requested")
+            raise CorruptCheckpointError(
+                f"{where}: TensorFlow cannot read it: {type(e).__name__}: {e!s:.300}"
+            ) from e
         return target

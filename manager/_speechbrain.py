@@ -8,7 +8,10 @@ A checkpoint is a cairn step ``CKPT_<sequence>/`` whose manifest holds the meta;
 is an item directory holding ``<name>.ckpt`` (written by its save hook, or by cairn's own torch /
 state / pytree savers), so `Checkpoint.paramfiles` point at files that ``torch.load`` and the
 hooks read as in SpeechBrain. Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``) are
-listed, loaded and deleted too, their meta read with ``yaml.safe_load``.
+listed, loaded and deleted too, their meta read as YAML data only. Such a directory is untrusted
+input: no link in it is followed, its meta must be a small plain YAML mapping with a "unixtime"
+and an "end-of-epoch", and its paramfiles must be regular files inside it; a directory that is not
+is skipped with a warning, and the other checkpoints stay reachable.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import pathlib
 import re
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -35,9 +39,10 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers import FileRecord, StoredItem, register, write_file
+from cairn.handlers._files import hash_file, open_regular
 from cairn.handlers._iterators import _decode_value, _encode, has_state_methods
-from cairn.handlers.errors import CorruptCheckpointError
-from cairn.manager._format import TRASH_PREFIX, trash_name
+from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError, UnsupportedFormatError
+from cairn.manager._format import trash_name
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import check_item_name
 
@@ -303,24 +308,10 @@ class _Written:
             self._staged.parent.rmdir()  # the hook's own staging directory, now empty
         path = directory / target
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return [  # a hook's own file: its checksum can only be computed by reading it back
-            FileRecord(
-                p.relative_to(directory).as_posix(),
-                p.stat().st_size,
-                _crc32c_of(p),
-            )
+        return [  # a hook's own file: its hash can only be computed by reading it back
+            FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size, xxh3_128=hash_file(p))
             for p in files
         ]
-
-
-def _crc32c_of(path: pathlib.Path) -> int:
-    import crc32c
-
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = crc32c.crc32c(chunk, crc)
-    return crc
 
 
 class _RecoverableHandler:
@@ -623,13 +614,15 @@ class Checkpointer:
         self._manager.wait_until_finished()
         found = []
         for step in self._manager.all_steps():
+            path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
             try:
                 info = self._manager.info(step)
-            except CorruptCheckpointError as e:
-                log.warning("cairn.speechbrain: skipping a damaged checkpoint: %s", e)
+                meta = _checked_meta(info.metadata.get("meta"))
+            except StepNotFoundError:
+                continue  # deleted meanwhile
+            except (CorruptCheckpointError, UnsupportedFormatError) as e:
+                log.warning("cairn.speechbrain: skipping a damaged checkpoint %s: %s", path, e)
                 continue
-            path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
-            meta = dict(info.metadata.get("meta", {}))
             files = {n: i.handler == _HANDLER.id for n, i in info.items.items() if not i.dropped}
             found.append(Checkpoint(path, meta, self._paramfiles(path, files)))
         return found + _speechbrain_checkpoints(self.checkpoints_dir)
@@ -656,11 +649,12 @@ class Checkpointer:
             sign = 1.0 if max_key is not None else -1.0
 
             def key(ckpt: Checkpoint) -> Any:
-                return sign * ckpt.meta[meta_key]
+                number = _number(ckpt.meta[meta_key])
+                assert number is not None  # the predicate keeps only checkpoints with a number
+                return sign * number
 
             def predicate(ckpt: Checkpoint, user: Any = ckpt_predicate) -> bool:
-                value = ckpt.meta.get(meta_key)
-                has = isinstance(value, (int, float)) and not math.isnan(value)
+                has = _number(ckpt.meta.get(meta_key)) is not None
                 return has and (user is None or bool(user(ckpt)))
 
         ckpts = [c for c in self.list_checkpoints() if predicate is None or predicate(c)]
@@ -724,6 +718,8 @@ class Checkpointer:
                 continue
             if step is not None:
                 self._manager.restore(step, {name: None})  # verifies the files
+            else:
+                _check_paramfile(checkpoint, path)
             hook = self.custom_load_hooks.get(name) or get_default_hook(obj, DEFAULT_LOAD_HOOKS)
             if hook is None and has_state_methods(obj):
                 hook = _state_load
@@ -787,7 +783,7 @@ class Checkpointer:
             self._manager.delete(step)
             return
         path = pathlib.Path(checkpoint.path)
-        if not _is_speechbrain_dir(path):
+        if path.parent != self.checkpoints_dir or not _is_speechbrain_dir(path):
             raise RuntimeError("Checkpoint does not appear valid for deletion.")
         trash = path.parent / trash_name(path.name)
         os.rename(path, trash)  # gone at once for every reader; then freed
@@ -849,32 +845,143 @@ def _check_meta(meta: Any) -> dict[str, Any]:
     return out
 
 
+_META_LIMIT = 256 << 10  # bytes of a SpeechBrain CKPT.yaml (a few lines in practice)
+_META_DEPTH = 32  # nesting of its collections
+
+
+def _number(value: Any) -> float | None:
+    """A meta value as a number for ranking: a real number that is not NaN (bools count, as in
+    SpeechBrain); None for anything else, an int too large for a float included."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(number) else number
+
+
+def _checked_meta(meta: Any) -> dict[str, Any]:
+    """A checkpoint's meta as this API hands it out: a mapping with str keys, a finite number
+    "unixtime" and a bool "end-of-epoch" (every checkpointer writes both); CorruptCheckpointError
+    otherwise."""
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise CorruptCheckpointError(
+            f"its meta is a {type(meta).__qualname__}, not a mapping with str keys"
+        )
+    unixtime = meta.get("unixtime")
+    number = None if isinstance(unixtime, bool) else _number(unixtime)
+    if number is None or not math.isfinite(number):
+        raise CorruptCheckpointError(f"its meta's unixtime {unixtime!r:.40} is not a time")
+    if not isinstance(meta.get("end-of-epoch"), bool):
+        raise CorruptCheckpointError(
+            f"its meta's end-of-epoch {meta.get('end-of-epoch')!r:.40} is not a bool"
+        )
+    return dict(meta)
+
+
+def _parse_meta(data: bytes) -> Any:
+    """A CKPT.yaml as data: plain YAML (safe tags only) without aliases and nested at most
+    `_META_DEPTH` deep, checked on the event stream before anything is built (an alias bomb or a
+    deep document never reaches the constructor); CorruptCheckpointError otherwise."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        text = data.decode("utf-8")
+        depth = 0
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent):
+                raise CorruptCheckpointError("its meta uses a YAML alias")
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > _META_DEPTH:
+                    raise CorruptCheckpointError(f"its meta nests deeper than {_META_DEPTH}")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+        return yaml.load(text, Loader=loader)  # a safe loader: data only
+    except (yaml.YAMLError, ValueError, TypeError) as e:  # also UTF-8, dates, int digits
+        raise CorruptCheckpointError(f"its meta does not parse: {e!s:.300}") from None
+
+
+def _speechbrain_checkpoint(path: pathlib.Path) -> Checkpoint | None:
+    """The checkpoint SpeechBrain wrote in `path`, or None if `path` is no such directory (no
+    CKPT.yaml); CorruptCheckpointError if it is one that cannot be read safely: a link, a meta
+    that is not a regular file or not plain data, a paramfile that is not a regular file."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise CorruptCheckpointError("it is a symbolic link; cairn does not follow links")
+    if not stat.S_ISDIR(mode):
+        return None
+    try:
+        with os.fdopen(open_regular(path / METAFNAME), "rb") as f:
+            data = f.read(_META_LIMIT + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a link
+        raise CorruptCheckpointError(f"its {METAFNAME} cannot be read: {e}") from None
+    if len(data) > _META_LIMIT:
+        raise CorruptCheckpointError(f"its {METAFNAME} is larger than {_META_LIMIT} bytes")
+    meta = _checked_meta(_parse_meta(data))
+    paramfiles = {}
+    with os.scandir(path) as entries:
+        for entry in entries:
+            stem = entry.name.removesuffix(PARAMFILE_EXT)
+            if stem in ("", entry.name):
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                raise CorruptCheckpointError(f"its paramfile {entry.name!r} is not a regular file")
+            paramfiles[stem] = pathlib.Path(entry.path)
+    return Checkpoint(path, meta, paramfiles)
+
+
 def _is_speechbrain_dir(path: pathlib.Path) -> bool:
-    return (
-        path.is_dir() and path.name.startswith(f"{CKPT_PREFIX}+") and (path / METAFNAME).is_file()
-    )
+    try:
+        is_checkpoint = _speechbrain_checkpoint(path) is not None
+    except (OSError, CorruptCheckpointError):
+        return False
+    return path.name.startswith(f"{CKPT_PREFIX}+") and is_checkpoint
 
 
 def _speechbrain_checkpoints(root: pathlib.Path) -> list[Checkpoint]:
-    """Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``), meta parsed as data."""
+    """Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``); one that cannot be read
+    safely is skipped with a warning."""
+    try:
+        with os.scandir(root) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith(f"{CKPT_PREFIX}+"))
+    except FileNotFoundError:
+        return []
     found = []
-    with contextlib.suppress(FileNotFoundError):
-        for path in sorted(root.iterdir()):
-            if path.name.startswith(TRASH_PREFIX) or not _is_speechbrain_dir(path):
-                continue
-            import yaml
-
-            try:
-                meta = yaml.safe_load((path / METAFNAME).read_text(encoding="utf-8"))
-            except yaml.YAMLError as e:
-                log.warning("cairn.speechbrain: skipping %s, its meta does not parse: %s", path, e)
-                continue
-            if not isinstance(meta, dict) or "unixtime" not in meta:
-                log.warning("cairn.speechbrain: skipping %s: no unixtime in its meta", path)
-                continue
-            paramfiles = {p.stem: p for p in path.iterdir() if p.suffix == PARAMFILE_EXT}
-            found.append(Checkpoint(path, meta, paramfiles))
+    for name in names:
+        try:
+            checkpoint = _speechbrain_checkpoint(root / name)
+        except FileNotFoundError:
+            continue  # deleted meanwhile
+        except (OSError, CorruptCheckpointError) as e:
+            log.warning("cairn.speechbrain: skipping %s: %s", root / name, e)
+            continue
+        if checkpoint is not None:
+            found.append(checkpoint)
     return found
+
+
+def _check_paramfile(checkpoint: Checkpoint, path: Any) -> None:
+    """Before a load hook reads a paramfile of a checkpoint cairn did not write: it must be a
+    regular file (not a link) directly inside the checkpoint's directory, itself not a link."""
+    directory, path = pathlib.Path(checkpoint.path), pathlib.Path(path)
+    try:
+        ok = (
+            path.parent == directory
+            and stat.S_ISDIR(os.lstat(directory).st_mode)
+            and stat.S_ISREG(os.lstat(path).st_mode)
+        )
+    except OSError:
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(
+            f"checkpoint {directory}: paramfile {path} is not a regular file inside it; cairn "
+            "hands a load hook only files of the checkpoint's own directory"
+        )
 
 
 # ---------------------------------------------------------------------------- averaging

@@ -359,7 +359,9 @@ def test_damaged_file_is_detected_before_loading(tmp_path: Path) -> None:
     saved.paramfiles["net"].write_bytes(bytes(data))
     with (
         Checkpointer(tmp_path, {"net": Net()}) as c,
-        pytest.raises(CorruptCheckpointError, match=r"net\.ckpt fails its crc32c check"),
+        pytest.raises(
+            CorruptCheckpointError, match=r"net\.ckpt (fails its crc32c|is not the file)"
+        ),
     ):
         c.recover_if_possible()
 
