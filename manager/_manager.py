@@ -906,7 +906,7 @@ class CheckpointManager:
         with self._lock:
             failed = any(what == f"the commit of step {step}" for what, _ in self._errors)
         note = "; its background commit failed (see check_for_errors())" if failed else ""
-        return f"step {step} is not committed in {self._root} (committed: {shown}){note}"
+        return f"step {step} is not committed in {self._where} (committed: {shown}){note}"
 
     def _wait_if_inflight(self, step: int) -> None:
         with self._lock:
@@ -1293,8 +1293,9 @@ def _orbax_step(step: int, path: Path) -> Manifest | None:
     import math
     import stat
 
+    from cairn.handlers._files import parse_json
     from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_items, read_metadata
-    from cairn.manager._format import item_name_problem, parse_json
+    from cairn.manager._format import item_name_problem
 
     where = f"Orbax step {step} at {path}"
     try:
