@@ -96,7 +96,7 @@ class FileRecord:
             raise TypeError(f"a file record must be an object, got {obj!r:.80}")
         path, size = obj.get("path"), obj.get("size")
         crc, digest = obj.get("crc32c"), obj.get(CONTENT_HASH)
-        if not isinstance(path, str) or not _is_int(size) or size < 0:
+        if not isinstance(path, str) or not _is_int(size) or not 0 <= size < 2**63:
             raise ValueError(f"malformed file record {dict(obj)!r:.200}")
         if crc is not None and not (_is_int(crc) and 0 <= crc < 2**32):
             raise ValueError(
@@ -351,7 +351,7 @@ class StoredItem:
             record = self.files[relpath]
             try:
                 size = self._lstat(relpath).st_size
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
             if size != record.size:
                 raise CorruptCheckpointError(
@@ -377,7 +377,7 @@ class StoredItem:
             path = self.directory / rel if rel else self.directory
             try:
                 is_link = stat.S_ISLNK(os.lstat(path).st_mode)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
             if is_link:
                 raise CorruptCheckpointError(
@@ -385,7 +385,12 @@ class StoredItem:
                     "checkpoint only from inside its directory"
                 )
             self._real_dirs.add(rel)
-        info = os.lstat(self.directory / relpath)
+        try:
+            info = os.lstat(self.directory / relpath)
+        except NotADirectoryError:  # a directory on the way is a file (or a FIFO)
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)}: a directory on its way is not a directory"
+            ) from None
         if stat.S_ISLNK(info.st_mode):
             raise CorruptCheckpointError(
                 f"{self.describe_file(relpath)} is a symbolic link; cairn reads a checkpoint only "

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import FileRecord, StoredItem, write_file, writing_process
+from cairn.handlers._files import FileRecord, StoredItem, parse_json, write_file, writing_process
 
 __all__ = ["JsonHandler"]
 
@@ -45,7 +45,7 @@ class JsonHandler:
 
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         del target  # JSON comes back as it was saved
-        return json.loads(stored.read_bytes(_FILE))
+        return parse_json(stored.read_bytes(_FILE), stored.describe_file(_FILE))
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         record = stored.files.get(_FILE)

@@ -255,7 +255,7 @@ def write_metrics(step_dir: Path, metrics: Mapping[str, float]) -> None:
     fsync_dir(step_dir)
 
 
-def drop_item(step_dir: Path, manifest: Manifest, item: str) -> tuple[Manifest, Path]:
+def drop_item(step_dir: Path, manifest: Manifest, item: str) -> tuple[Manifest, Path | None]:
     """Per-item retention: remove one item from a committed step; returns the new manifest and
     the trash path for `remove_trash`.
 
@@ -279,7 +279,11 @@ def drop_item(step_dir: Path, manifest: Manifest, item: str) -> tuple[Manifest, 
         raise
     fsync_dir(step_dir)
     trash = step_dir.parent / trash_name(f"{step_dir.name}-{item}")
-    os.rename(within(step_dir, item, what=f"step {manifest.step}"), trash)
+    try:
+        os.rename(within(step_dir, item, what=f"step {manifest.step}"), trash)
+    except FileNotFoundError:  # a damaged step whose item had no directory: dropped all the same
+        log.warning("cairn: item %r of %s had no directory to drop", item, step_dir)
+        return new, None
     fsync_dir(step_dir)
     fsync_dir(step_dir.parent)
     return new, trash

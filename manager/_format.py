@@ -204,8 +204,8 @@ class Manifest:
             return cls(
                 step=step,
                 items=items,
-                started_at=_finite(obj["started_at"], "started_at"),
-                committed_at=_finite(obj["committed_at"], "committed_at"),
+                started_at=_time(obj["started_at"], "started_at"),
+                committed_at=_time(obj["committed_at"], "committed_at"),
                 metrics=check_metrics(obj.get("metrics", {}), argument="metrics"),
                 metadata=_expect(obj.get("metadata", {}), dict, "metadata"),
                 telemetry={
@@ -240,6 +240,16 @@ def _finite(value: Any, what: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {value!r:.40}")
     return number
+
+
+_LAST_TIME = 253402300800.0  # 10000-01-01: every clock and time.localtime can show what is before
+
+
+def _time(value: Any, what: str) -> float:
+    seconds = _finite(value, what)
+    if not 0 <= seconds < _LAST_TIME:
+        raise ValueError(f"{what} {value!r:.40} is not a Unix time in years 1970-9999")
+    return seconds
 
 
 def _item(name: Any, entry: Any, version: int) -> ItemEntry:

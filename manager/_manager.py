@@ -615,7 +615,7 @@ class CheckpointManager:
         )
         with self._lock:
             rec.manifest = manifest
-        if self._reclaimer is not None:
+        if trash is not None and self._reclaimer is not None:
             self._reclaimer.submit(_commit.remove_trash, trash)
 
     def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
@@ -1481,12 +1481,16 @@ class _DirectoryLock:
         try:  # never through a link, never a FIFO or device: the pid is written into this file
             fd = os.open(path, flags, 0o644)
         except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise CorruptCheckpointError(
-                f"{path} is a symbolic link; cairn never follows it (it would overwrite the "
-                "link's target). Remove it and try again"
-            ) from None
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(
+                    f"{path} is a symbolic link; cairn never follows it (it would overwrite the "
+                    "link's target). Remove it and try again"
+                ) from None
+            if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
+                raise CorruptCheckpointError(
+                    f"{path} is not a regular file ({e.strerror}); remove it and try again"
+                ) from None
+            raise
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)

@@ -108,9 +108,22 @@ def torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def _load_state_dict(path: str | os.PathLike[str]) -> Any:
+    return _torch_load(path, "cpu")
+
+
+def _torch_load(path: str | os.PathLike[str], map_location: Any) -> Any:
+    """``torch.load`` of a paramfile, data only (no pickled code); a file torch cannot read is
+    CorruptCheckpointError naming it, whatever torch raises for it."""
+    import pickle
+
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True)  # data only: no pickled code
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, UnicodeDecodeError, pickle.UnpicklingError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{path}: torch cannot load it: {type(e).__name__}: {e}"
+        ) from None
 
 
 def torch_recovery(obj: Any, path: str | os.PathLike[str], end_of_epoch: bool) -> None:
@@ -357,7 +370,7 @@ def _state_load(obj: Any, path: pathlib.Path, end_of_epoch: bool) -> None:
     del end_of_epoch
     try:
         state = _decode_value(json.loads(pathlib.Path(path).read_bytes())["state"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
         raise CorruptCheckpointError(f"{path}: the saved state does not parse: {e}") from None
     setter = "set_state" if callable(getattr(obj, "set_state", None)) else "load_state_dict"
     getattr(obj, setter)(state)
@@ -1031,9 +1044,7 @@ def _default_loader(path: Any, map_location: str = "cpu") -> Any:
             raise ValueError(f"{path} is not a recoverable of a cairn checkpoint")
         with CheckpointManager(root, read_only=True, step_prefix=CKPT_PREFIX) as mgr:
             return mgr.restore(int(match.group(1)), {path.name: None})[path.name]
-    import torch
-
-    return torch.load(path, map_location=map_location, weights_only=True)
+    return _torch_load(path, map_location)
 
 
 def average_checkpoints(
