@@ -139,9 +139,11 @@ def test_an_item_name_cannot_read_outside_the_step(run: tuple[Path, Path]) -> No
 def test_a_file_record_cannot_leave_the_item(run: tuple[Path, Path], path: str) -> None:
     root, _ = run
     edit_manifest(root, 2, lambda b: b["items"]["cfg"]["files"][0].update(path=path))
-    with CheckpointManager(root, read_only=True) as mgr:
-        with pytest.raises(CorruptCheckpointError, match="must be relative"):
-            mgr.restore(2)
+    with (
+        CheckpointManager(root, read_only=True) as mgr,
+        pytest.raises(CorruptCheckpointError, match="must be relative"),
+    ):
+        mgr.restore(2)
 
 
 def test_a_symlinked_lock_file_is_never_followed(run: tuple[Path, Path]) -> None:
@@ -261,9 +263,11 @@ def edit_zarr_json(root: Path, edit: Any) -> None:
 def test_zarr_json_must_describe_the_leaf(run: tuple[Path, Path]) -> None:
     root, _ = run
     edit_zarr_json(root, lambda meta: meta.update(shape=[2**40, 8]))
-    with CheckpointManager(root, read_only=True) as mgr:
-        with pytest.raises(CorruptCheckpointError, match="does not describe the leaf"):
-            mgr.restore(2, fallback=False)
+    with (
+        CheckpointManager(root, read_only=True) as mgr,
+        pytest.raises(CorruptCheckpointError, match="does not describe the leaf"),
+    ):
+        mgr.restore(2, fallback=False)
 
 
 @pytest.mark.parametrize(
