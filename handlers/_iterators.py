@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import math
+import os
+import pickle
 import re
+import signal
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,9 +84,14 @@ class _PerProcessHandler:
     def snapshot(self, obj: Any) -> _BytesSnapshot:
         return _BytesSnapshot(self._capture(obj), self._suffix)
 
-    def restore(self, stored: StoredItem, target: Any = None) -> Any:
+    def _file_name(self) -> str:
+        """This process's file: ``process_<i>-of-<n><suffix>``."""
         index, count = writing_process()
-        name = f"process_{index}-of-{count}{self._suffix}"
+        return f"process_{index}-of-{count}{self._suffix}"
+
+    def restore(self, stored: StoredItem, target: Any = None) -> Any:
+        name = self._file_name()
+        count = writing_process()[1]
         if name not in stored.files:
             saved = sorted(
                 {int(m.group(2)) for p in stored.files if (m := _PROCESS_FILE.match(p)) is not None}
@@ -96,6 +108,28 @@ class _PerProcessHandler:
             return self._decode(data, stored)
         return self._apply(data, target, stored)
 
+    def _load_json(self, data: bytes, stored: StoredItem) -> Any:
+        """The file's JSON; CorruptCheckpointError naming the file if it is not plain JSON
+        (bare NaN or Infinity, integers past Python's digit limit, nesting that overflows)."""
+        try:
+            return json.loads(data, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{stored.describe_file(self._file_name())}: the {self._kind} state does not "
+                f"parse: {type(e).__name__}: {e}"
+            ) from None
+
+    def _set_state(self, setter: Callable[[Any], Any], state: Any, stored: StoredItem) -> None:
+        """Hand `state` to the target's setter; whatever the setter raises on a state it does
+        not accept (the state is read from disk) becomes MismatchError, the original chained."""
+        try:
+            setter(state)
+        except Exception as e:
+            raise MismatchError(
+                f"{stored.describe_file(self._file_name())}: the target iterator does not accept "
+                f"the saved state (a different pipeline?): {type(e).__name__}: {e}"
+            ) from e
+
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         return {
             "kind": self._kind,
@@ -105,6 +139,10 @@ class _PerProcessHandler:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (cairn writes no NaN or infinities)")
 
 
 # ---------------------------------------------------------------------------- get/set_state objects
@@ -180,8 +218,11 @@ def _decode_value(value: Any) -> Any:
     raise ValueError(f"unknown tag {tag!r}")
 
 
+_METHOD_PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))
+
+
 def _state_methods(obj: Any) -> tuple[str, str] | None:
-    for get, put in (("get_state", "set_state"), ("state_dict", "load_state_dict")):
+    for get, put in _METHOD_PAIRS:
         if callable(getattr(obj, get, None)) and callable(getattr(obj, put, None)):
             return get, put
     return None
@@ -218,13 +259,17 @@ class StatefulIteratorHandler(_PerProcessHandler):
         body = {"methods": list(methods), "state": _encode(state, "")}
         return [json.dumps(body, allow_nan=False).encode()]
 
-    def _parse(self, data: bytes, stored: StoredItem) -> tuple[list[str], Any]:
+    def _parse(self, data: bytes, stored: StoredItem) -> tuple[tuple[str, str], Any]:
+        body = self._load_json(data, stored)
         try:
-            body = json.loads(data)
-            return body["methods"], _decode_value(body["state"])
-        except (ValueError, KeyError, TypeError) as e:
+            methods = tuple(body["methods"])
+            if methods not in _METHOD_PAIRS:
+                raise ValueError(f"methods {body['methods']!r} are not one of {_METHOD_PAIRS}")
+            return methods, _decode_value(body["state"])
+        except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
             raise CorruptCheckpointError(
-                f"step {stored.step}, item {stored.name!r}: the iterator state does not parse: {e}"
+                f"{stored.describe_file(self._file_name())}: the iterator state does not parse: "
+                f"{type(e).__name__}: {e}"
             ) from None
 
     def _decode(self, data: bytes, stored: StoredItem) -> Any:
@@ -238,7 +283,7 @@ class StatefulIteratorHandler(_PerProcessHandler):
                 f"step {stored.step}, item {stored.name!r} was saved with {methods[0]}(); "
                 f"the target {type(target).__qualname__} has no {methods[1]}()"
             )
-        setter(state)
+        self._set_state(setter, state, stored)
         return target
 
 
@@ -289,12 +334,13 @@ class GrainIteratorHandler(_PerProcessHandler):
             raise TypeError(f"the grain iterator's state is not JSON: {e}") from None
 
     def _decode(self, data: bytes, stored: StoredItem) -> Any:
-        try:
-            return json.loads(data)
-        except ValueError as e:
+        state = self._load_json(data, stored)
+        if not isinstance(state, dict):
             raise CorruptCheckpointError(
-                f"step {stored.step}, item {stored.name!r}: the grain state does not parse: {e}"
-            ) from None
+                f"{stored.describe_file(self._file_name())}: the grain state is a "
+                f"{type(state).__name__}, not a JSON object"
+            )
+        return state
 
     def _apply(self, data: bytes, target: Any, stored: StoredItem) -> Any:
         if not callable(getattr(target, "set_state", None)):
@@ -303,14 +349,10 @@ class GrainIteratorHandler(_PerProcessHandler):
                 f"target {type(target).__qualname__} has no set_state()"
             )
         ensure_absl_flags_parsed()
-        state = data if _GRAIN_LOADER in _type_names(target) else self._decode(data, stored)
-        try:
-            target.set_state(state)
-        except (KeyError, ValueError, TypeError) as e:
-            raise MismatchError(
-                f"step {stored.step}, item {stored.name!r}: the target iterator does not accept "
-                f"the saved state (a different pipeline?): {type(e).__name__}: {e}"
-            ) from e
+        state = self._decode(data, stored)  # a DataLoader parses the bytes again itself
+        self._set_state(
+            target.set_state, data if _GRAIN_LOADER in _type_names(target) else state, stored
+        )
         return target
 
 
@@ -320,14 +362,18 @@ TF_TYPES = ("tensorflow.python.data.ops.iterator_ops.OwnedIterator",)
 _MAGIC = b"CAIRN-TFDATA-1\n"
 _POLICIES = {"fail": 2, "warn": 0, "ignore": 1}
 _PIECE_LIMIT = (1 << 31) - (1 << 24)  # one TensorProto must stay under protobuf's 2 GiB
+_PROBE_READY = b"cairn-probe-ready\n"
+
+log = logging.getLogger("cairn")
 
 
 class TfDataIteratorState:
     """A saved tf.data iterator position, restored without a target: apply it with `restore_into`."""
 
-    def __init__(self, data: bytes, where: str) -> None:
+    def __init__(self, data: bytes, where: str, probe_timeout: float | None) -> None:
         self._data = data
         self._where = where
+        self._probe_timeout = probe_timeout
 
     @property
     def nbytes(self) -> int:
@@ -335,7 +381,7 @@ class TfDataIteratorState:
 
     def restore_into(self, iterator: Any) -> Any:
         """Move `iterator` (``iter()`` of the same pipeline) to the saved position; returns it."""
-        return _deserialize(self._data, iterator, self._where)
+        return _deserialize(self._data, iterator, self._where, self._probe_timeout)
 
     def __repr__(self) -> str:
         return f"TfDataIteratorState({self._where}, {self.nbytes} bytes)"
@@ -370,7 +416,9 @@ def _tf_functions() -> dict[str, Callable[[Any], Any]]:
     return _TF_FUNCTIONS
 
 
-def _deserialize(data: bytes, iterator: Any, where: str) -> Any:
+def _deserialize(data: bytes, iterator: Any, where: str, probe_timeout: float | None) -> Any:
+    """Check the file (`_split`), try it in a probe process (`_probe`, unless `probe_timeout` is
+    None), then restore here."""
     import tensorflow as tf
 
     if getattr(iterator, "_iterator_resource", None) is None:
@@ -379,17 +427,24 @@ def _deserialize(data: bytes, iterator: Any, where: str) -> Any:
             f"tf.data pipeline, got {type(iterator).__qualname__}"
         )
     pieces = _split(data, where)
-    try:
-        variant = _tf_functions()["from_pieces"](tf.constant(pieces, dtype=tf.string))
-        tf.raw_ops.DeserializeIterator(
-            resource_handle=iterator._iterator_resource, serialized=variant
-        )
-    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+    error = None if probe_timeout is None else _probe(data, iterator, where, probe_timeout)
+    if error is None:
+        try:
+            _restore_pieces(pieces, iterator._iterator_resource)
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+            error = _tf_message(e)
+    if error is not None:
         raise MismatchError(
-            f"{where}: the target iterator is not over the pipeline that was saved: "
-            f"{_tf_message(e)}"
-        ) from None
+            f"{where}: the target iterator is not over the pipeline that was saved: {error}"
+        )
     return iterator
+
+
+def _restore_pieces(pieces: list[bytes], resource: Any) -> None:
+    import tensorflow as tf
+
+    variant = _tf_functions()["from_pieces"](tf.constant(pieces, dtype=tf.string))
+    tf.raw_ops.DeserializeIterator(resource_handle=resource, serialized=variant)
 
 
 def _tf_message(error: Any) -> str:
@@ -400,21 +455,260 @@ def _tf_message(error: Any) -> str:
 
 
 def _split(data: bytes, where: str) -> list[bytes]:
-    """The pieces of a ``process_*.tfdata`` file: magic, count, lengths, then the pieces."""
-    view = memoryview(data)
+    """The pieces of a ``process_*.tfdata`` file (magic, count, lengths, pieces), each checked
+    with `_check_piece`: CorruptCheckpointError naming `where` and the piece if any is wrong."""
     header = len(_MAGIC) + 8
-    if bytes(view[: len(_MAGIC)]) != _MAGIC or len(data) < header:
+    if data[: len(_MAGIC)] != _MAGIC or len(data) < header:
         raise CorruptCheckpointError(f"{where} is not a cairn tf.data state file")
     (count,) = struct.unpack_from("<Q", data, len(_MAGIC))
-    lengths = np.frombuffer(data, "<u8", count, header) if count else np.zeros(0, np.uint64)
+    if count > (len(data) - header) // 8:
+        raise CorruptCheckpointError(f"{where}: {count} pieces cannot fit in {len(data)} bytes")
+    lengths = struct.unpack_from(f"<{count}Q", data, header)
     offset = header + 8 * count
-    if offset + int(lengths.sum()) != len(data):
+    if offset + sum(lengths) != len(data):
         raise CorruptCheckpointError(f"{where}: the piece lengths do not add up to the file size")
+    view = memoryview(data)
     pieces = []
-    for length in lengths.tolist():
+    for index, length in enumerate(lengths):
         pieces.append(bytes(view[offset : offset + length]))
         offset += length
+        try:
+            _check_piece(pieces[-1])
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"{where}: piece {index} of the tf.data state is damaged: {e}"
+            ) from None
     return pieces
+
+
+# What SerializeIterator gives, one element per piece (TensorFlow 2.x, data/serialization_utils):
+# a scalar DT_VARIANT TensorProto whose tensor_content is one varint-prefixed
+# VariantTensorDataProto of type "tensorflow::Iterator", its metadata the iterator's name and
+# its keys joined by "@@", and its one tensor a scalar DT_VARIANT holding a CompressedElement
+# (data/dataset.proto) with a component per key: dtype, shape, uncompressed sizes, snappy data.
+_ITERATOR_TYPE = "tensorflow::Iterator"
+_COMPRESSED_TYPE = "tensorflow.data.CompressedElement"
+_DELIMITER = "@@"
+_SNAPPY_EXPANSION = 22  # one 3-byte snappy copy writes at most 64 bytes
+
+
+def _varint(data: bytes, offset: int) -> tuple[int, int]:
+    value = 0
+    for shift in range(0, 64, 7):
+        if offset >= len(data):
+            break
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, offset
+    raise ValueError("a varint is cut short or too long")
+
+
+def _parse(message: Any, data: bytes) -> Any:
+    from google.protobuf.message import DecodeError
+
+    try:
+        message.ParseFromString(data)
+    except DecodeError as e:
+        raise ValueError(f"not a {type(message).__name__}: {e}") from None
+    return message
+
+
+def _variant_value(tensor: Any) -> Any:
+    """The one VariantTensorDataProto of a scalar DT_VARIANT TensorProto, in either of
+    TensorFlow's encodings (``variant_val``, or a varint length and the bytes in
+    ``tensor_content``)."""
+    from tensorflow.core.framework import tensor_pb2, types_pb2
+
+    fields = {f.name for f, _ in tensor.ListFields()}
+    shape = tensor.tensor_shape
+    if tensor.dtype != types_pb2.DT_VARIANT or shape.dim or shape.unknown_rank:
+        dims = "unknown" if shape.unknown_rank else [d.size for d in shape.dim]
+        raise ValueError(f"a tensor of dtype {tensor.dtype} and shape {dims}, not a variant scalar")
+    if fields - {"dtype", "tensor_shape"} == {"variant_val"} and len(tensor.variant_val) == 1:
+        return tensor.variant_val[0]
+    if fields - {"dtype", "tensor_shape"} != {"tensor_content"}:
+        raise ValueError(f"a variant scalar with the fields {sorted(fields)}")
+    size, start = _varint(tensor.tensor_content, 0)
+    if start + size != len(tensor.tensor_content):
+        raise ValueError("the variant's length does not match its content")
+    return _parse(tensor_pb2.VariantTensorDataProto(), tensor.tensor_content[start:])
+
+
+def _check_piece(piece: bytes) -> None:
+    """ValueError unless `piece` has the layout above, with sizes that add up (no native code).
+
+    This refuses damage and sizes that would make TensorFlow allocate beyond what the file holds;
+    values inside the compressed data are not checked here (the probe process is for those).
+    """
+    from tensorflow.core.framework import dataset_pb2, tensor_pb2
+
+    state = _variant_value(_parse(tensor_pb2.TensorProto(), piece))
+    if state.type_name != _ITERATOR_TYPE:
+        raise ValueError(f"a variant of type {state.type_name!r}, not {_ITERATOR_TYPE!r}")
+    try:
+        keys = state.metadata.decode().split(_DELIMITER)[1:]
+    except UnicodeDecodeError:
+        raise ValueError("the iterator's keys are not UTF-8") from None
+    if len(state.tensors) != (1 if keys else 0):
+        raise ValueError(f"{len(state.tensors)} tensors for {len(keys)} keys")
+    for inner in state.tensors:
+        element = _variant_value(inner)
+        if element.type_name != _COMPRESSED_TYPE or element.tensors:
+            raise ValueError(f"a value of type {element.type_name!r}, not {_COMPRESSED_TYPE!r}")
+        _check_compressed(_parse(dataset_pb2.CompressedElement(), element.metadata), len(keys))
+
+
+def _check_compressed(element: Any, keys: int) -> None:
+    import tensorflow as tf
+
+    if element.version != 0 or len(element.component_metadata) != keys:
+        raise ValueError(
+            f"a compressed element of version {element.version} with "
+            f"{len(element.component_metadata)} components for {keys} keys"
+        )
+    total = 0
+    for component in element.component_metadata:
+        shape = component.tensor_shape
+        if shape.unknown_rank or len(shape.dim) > 254 or any(d.size < 0 for d in shape.dim):
+            raise ValueError(f"a component of shape {[d.size for d in shape.dim]}")
+        count = math.prod(d.size for d in shape.dim)
+        sizes = list(component.uncompressed_bytes)
+        try:
+            dtype = tf.dtypes.as_dtype(component.dtype)
+        except TypeError:
+            raise ValueError(f"a component of unknown dtype {component.dtype}") from None
+        if dtype == tf.string:
+            ok = len(sizes) == count
+        elif dtype == tf.variant:
+            ok = len(sizes) == 1 and count <= sizes[0]
+        else:
+            ok = dtype.size > 0 and not dtype._is_ref_dtype and sum(sizes) == count * dtype.size
+            ok = ok and len(sizes) <= 1 and dtype != tf.resource
+        if not ok:
+            raise ValueError(f"a {dtype.name} component of {count} elements and sizes {sizes[:4]}")
+        total += sum(sizes)
+    length, _ = _varint(element.data, 0)
+    if length != total or total > _SNAPPY_EXPANSION * len(element.data):
+        raise ValueError(
+            f"{len(element.data)} compressed bytes for {length}, the components hold {total}"
+        )
+
+
+def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None:
+    """Restore the state into the same pipeline in a short-lived child process first.
+
+    A state with a valid layout can still hold values (a count, an index, compressed bytes) that
+    crash TensorFlow's restore code, make it loop, or leave an iterator that crashes when it is
+    destroyed. The child restores it, takes an element and destroys the iterator; if it dies or
+    hangs, this raises CorruptCheckpointError and no native code here saw the state. If
+    TensorFlow refused the state there, this returns its message, and the caller raises without
+    restoring here (a failed restore leaves the target half-restored). The child rebuilds the
+    pipeline from its serialized graph; if it cannot, a warning is logged and this returns None.
+    The child has `timeout` seconds, plus 60 per GiB of state, once TensorFlow is imported.
+    """
+    import tensorflow as tf
+
+    try:
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=iterator._dataset._variant_tensor,
+            external_state_policy=_POLICIES["ignore"],
+            strip_device_assignment=True,
+        ).numpy()
+    except (AttributeError, tf.errors.OpError) as e:
+        log.warning("%s: the pipeline cannot be probed (%s); restoring without a probe", where, e)
+        return None
+    header = {
+        "graph": graph,
+        "types": [t.as_datatype_enum for t in iterator._flat_output_types],
+        "shapes": [s.as_proto().SerializeToString() for s in iterator._flat_output_shapes],
+        "seconds": math.ceil(timeout + 60 * len(data) / 2**30),
+    }
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [
+        sys.executable,
+        "-c",
+        "from cairn.handlers._iterators import probe_main; probe_main()",
+    ]
+    try:
+        run = subprocess.run(
+            command,
+            input=b"".join([pickle.dumps(header), data]),
+            capture_output=True,
+            env=env,
+            timeout=header["seconds"] + 600,
+        )
+        code, out, err = run.returncode, run.stdout, run.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out, err = -signal.SIGKILL, e.stdout or b"", e.stderr or b""
+    _, ready, verdict = out.partition(_PROBE_READY)
+    if not ready:
+        tail = err.decode(errors="replace").strip()[-300:]
+        log.warning("%s: the probe process did not start (%s); restoring without it", where, tail)
+        return None
+    if code == 0 and verdict.endswith(b"\n"):
+        result: dict[str, str | None] = json.loads(verdict)
+        return result["error"]
+    how = (
+        f"did not finish within {header['seconds']} s"
+        if code in (-signal.SIGALRM, -signal.SIGKILL)
+        else f"crashed TensorFlow ({_exit_name(code)})"
+    )
+    raise CorruptCheckpointError(
+        f"{where}: restoring this tf.data state {how} in a probe process; the file is damaged "
+        "or crafted, and it was not restored"
+    )
+
+
+def _exit_name(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def probe_main() -> None:
+    """The probe process (`_probe`): stdin holds a pickled header from the parent, then the state.
+
+    Prints the ready line once the pipeline is rebuilt, before the state is touched, then a JSON
+    line once TensorFlow survived restoring it, producing an element and destroying the iterator:
+    ``{"error": null}``, or TensorFlow's message if it refused the state. SIGALRM ends a hang.
+    """
+    stdin = sys.stdin.buffer
+    header = pickle.load(stdin)
+    data = stdin.read()
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # if memory runs out, the kernel kills the probe, not the trainer
+    except OSError:
+        pass
+    import tensorflow as tf
+    from tensorflow.core.framework import tensor_shape_pb2
+
+    types = [tf.dtypes.as_dtype(t) for t in header["types"]]
+    shapes = [
+        tf.TensorShape(tensor_shape_pb2.TensorShapeProto.FromString(s)) for s in header["shapes"]
+    ]
+    dataset = tf.raw_ops.DatasetFromGraph(graph_def=header["graph"])
+    resource = tf.raw_ops.AnonymousIteratorV3(output_types=types, output_shapes=shapes)
+    tf.raw_ops.MakeIterator(dataset=dataset, iterator=resource)
+    sys.stdout.buffer.write(_PROBE_READY)
+    sys.stdout.flush()
+    signal.alarm(header["seconds"])
+    error = None
+    try:
+        _restore_pieces(_split(data, "probe"), resource)
+        tf.raw_ops.IteratorGetNext(iterator=resource, output_types=types, output_shapes=shapes)
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+        error = _tf_message(e)
+    except tf.errors.OpError:
+        pass  # the end of the sequence, or an error the pipeline itself raises
+    del resource  # a half-restored iterator can crash when it is destroyed
+    sys.stdout.buffer.write(json.dumps({"error": error}).encode() + b"\n")
+    sys.stdout.flush()
 
 
 class TfDataIteratorHandler(_PerProcessHandler):
@@ -430,6 +724,13 @@ class TfDataIteratorHandler(_PerProcessHandler):
     dataset's ``options().experimental_external_state_policy`` decides, and "fail" if unset.
     States of any total size are stored, each buffered element in its own piece; an element type of
     2 GiB or more is refused.
+
+    A state read back is untrusted: its layout is checked in Python, then, with `probe` (the
+    default), a child process restores it into the same pipeline first, so that a damaged or
+    crafted state that crashes TensorFlow, or hangs it for `probe_timeout` seconds (plus 60 per
+    GiB of state), raises CorruptCheckpointError instead of killing this process. That costs a
+    few seconds per restore (the child imports TensorFlow); ``probe=False`` skips the child, for
+    states you wrote yourself. See docs/reliability.md, "Iterator states from disk".
     """
 
     id = "cairn.tf_data_iterator"
@@ -437,12 +738,25 @@ class TfDataIteratorHandler(_PerProcessHandler):
     _suffix = ".tfdata"
     _kind = "tf.data"
 
-    def __init__(self, *, external_state: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        external_state: str | None = None,
+        probe: bool = True,
+        probe_timeout: float = 120.0,
+    ) -> None:
         if external_state is not None and external_state not in _POLICIES:
             raise ValueError(
                 f"external_state must be None, 'fail', 'warn' or 'ignore', got {external_state!r}"
             )
+        if not isinstance(probe, bool):
+            raise TypeError(f"probe must be a bool, got {probe!r}")
+        if isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float)):
+            raise TypeError(f"probe_timeout must be a number of seconds, got {probe_timeout!r}")
+        if not 0 < probe_timeout < math.inf:
+            raise ValueError(f"probe_timeout must be positive and finite, got {probe_timeout!r}")
         self._external_state = external_state
+        self._probe_timeout = float(probe_timeout) if probe else None
 
     def _policy(self, iterator: Any) -> int:
         if self._external_state is not None:
@@ -483,9 +797,10 @@ class TfDataIteratorHandler(_PerProcessHandler):
         return [_MAGIC, struct.pack("<Q", len(pieces)), lengths.tobytes(), *pieces]
 
     def _decode(self, data: bytes, stored: StoredItem) -> Any:
-        where = f"step {stored.step}, item {stored.name!r}"
+        where = stored.describe_file(self._file_name())
         _split(data, where)  # a damaged file fails now, not when applied
-        return TfDataIteratorState(data, where)
+        return TfDataIteratorState(data, where, self._probe_timeout)
 
     def _apply(self, data: bytes, target: Any, stored: StoredItem) -> Any:
-        return _deserialize(data, target, f"step {stored.step}, item {stored.name!r}")
+        where = stored.describe_file(self._file_name())
+        return _deserialize(data, target, where, self._probe_timeout)

@@ -1,0 +1,207 @@
+"""Iterator states read from a directory nobody vouches for (issue 17, case 9).
+
+A state file whose manifest record was recomputed passes every checksum; what the iterator
+handlers then do with its bytes must never take the process down or leak a raw exception.
+tf.data states are restored in a worker process (tests/tfdata_state_worker.py), so that a crash
+is a failed test and not a dead pytest; grain and get_state() states are plain JSON, tested here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grain
+import pytest
+from iterutil import Shuffled, advanced, take
+from test_conformance import stored, write_item
+from tfdata_state_worker import CASES, PROBE_TIMEOUT
+
+from cairn.handlers import (
+    GrainIteratorHandler,
+    Handler,
+    StatefulIteratorHandler,
+    write_file,
+)
+from cairn.handlers.errors import CorruptCheckpointError, MismatchError
+
+WORKER = Path(__file__).parents[1] / "tfdata_state_worker.py"
+
+
+def run_worker(*cases: str, timeout: float) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Each case's result line, and why the worker died (None if it exited normally)."""
+    run = subprocess.run(
+        [sys.executable, str(WORKER), *cases], capture_output=True, text=True, timeout=timeout
+    )
+    results, started = {}, None
+    for line in run.stdout.splitlines():
+        record = json.loads(line)
+        started = record.get("start")
+        if started is None:
+            results[record["case"]] = record
+    if run.returncode == 0:
+        return results, None
+    return results, (
+        f"the worker died with status {run.returncode} while restoring {started!r}: "
+        f"{run.stderr[-2000:]}"
+    )
+
+
+@pytest.fixture(scope="module")
+def crafted() -> tuple[dict[str, dict[str, str]], str | None]:
+    return run_worker(*CASES, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_crafted_tf_data_state(
+    crafted: tuple[dict[str, dict[str, str]], str | None], name: str
+) -> None:
+    """Each of these crashed, hung or misled the restore before; now each is an error that names
+    the step, item and file, and the process lives on."""
+    results, died = crafted
+    assert name in results, died
+    got = results[name]
+    assert got["outcome"] == CASES[name].outcome, (CASES[name].before, got)
+    assert "step 5, item 'dataset', file " in got["message"], got
+    assert "process_0-of-1.tfdata" in got["message"], got
+
+
+def mutations(seed: int, count: int, record_property: Any) -> None:
+    """`count` byte mutations of a saved state: cairn's errors or a restore, never a crash or a
+    hang, and never a raw exception."""
+    results, died = run_worker(f"random:{seed}:{count}", timeout=count * PROBE_TIMEOUT + 300)
+    assert died is None, died
+    assert len(results) == count
+    outcomes = collections.Counter(r["outcome"] for r in results.values())
+    probed = sum("probe process" in r["message"] for r in results.values())
+    record_property("outcomes", {**outcomes, "caught by the probe": probed})
+    print(f"{count} mutations: {dict(outcomes)}, {probed} caught by the probe")
+    assert set(outcomes) <= {"CorruptCheckpointError", "MismatchError", "ok"}, outcomes
+    assert outcomes["CorruptCheckpointError"] >= count // 2, outcomes
+
+
+def test_random_tf_data_mutations(record_property: Any) -> None:
+    mutations(2, 100, record_property)
+
+
+@pytest.mark.slow
+def test_random_tf_data_mutations_soak(record_property: Any) -> None:
+    mutations(3, 1000, record_property)
+
+
+# ---------------------------------------------------------------------------- JSON states
+
+STATE = b'{"methods": ["get_state", "set_state"], "state": %s}'
+
+BAD_JSON = {
+    "deep nesting": b"[" * 100_000 + b"]" * 100_000,
+    "deep nesting inside the state": STATE % (b"[" * 900 + b"]" * 900),
+    "a 5000-digit integer": STATE % (b"9" * 5000),
+    "bare NaN": STATE % b"NaN",
+    "bare -Infinity": STATE % b"-Infinity",
+    "not UTF-8": b"\xff\xfe{}",
+    "a list": b"[1, 2]",
+    "methods a string": b'{"methods": "get_state", "state": {}}',
+    "methods naming another method": b'{"methods": ["get_state", "__init__"], "state": 50}',
+    "no state": b'{"methods": ["get_state", "set_state"]}',
+    "array data too short": STATE
+    % b'{"__cairn__": "ndarray", "dtype": "float32", "shape": [3], "data": "AAAA"}',
+    "array of object dtype": STATE
+    % b'{"__cairn__": "ndarray", "dtype": "O", "shape": [1], "data": "AAAAAAAAAAA="}',
+    "tuple without items": STATE % b'{"__cairn__": "tuple"}',
+    "dict items not pairs": STATE % b'{"__cairn__": "dict", "items": [[1, 2, 3]]}',
+    "unhashable dict key": STATE % b'{"__cairn__": "dict", "items": [[[1], 2]]}',
+    "unknown tag": STATE % b'{"__cairn__": "pickle", "data": ""}',
+}
+
+
+def item(tmp_path: Path, data: bytes) -> Any:
+    directory = tmp_path / "item"
+    directory.mkdir()
+    return stored(directory, [write_file(directory, "process_0-of-1.json", data)])
+
+
+@pytest.mark.parametrize("name", list(BAD_JSON))
+@pytest.mark.parametrize("with_target", [True, False])
+def test_stateful_state_that_is_not_ours(tmp_path: Path, name: str, with_target: bool) -> None:
+    target = Shuffled()
+    before = target.get_state()["order"].tolist()
+    with pytest.raises(
+        CorruptCheckpointError, match=r"step 7, item 'item', file .*process_0-of-1\.json"
+    ):
+        StatefulIteratorHandler().restore(
+            item(tmp_path, BAD_JSON[name]), target if with_target else None
+        )
+    assert target.get_state()["order"].tolist() == before  # nothing was called on the target
+
+
+def test_stateful_state_the_target_refuses(tmp_path: Path) -> None:
+    """Well-formed, but not what the target's set_state expects: MismatchError, cause chained."""
+    data = STATE % b'{"order": 3}'
+    with pytest.raises(
+        MismatchError,
+        match=r"file .*process_0-of-1\.json: the target iterator does not accept .*(KeyError|AttributeError)",
+    ) as e:
+        StatefulIteratorHandler().restore(item(tmp_path, data), Shuffled())
+    assert isinstance(e.value.__cause__, (KeyError, AttributeError))
+
+
+def grain_loader() -> Any:
+    sampler = grain.samplers.IndexSampler(
+        30, shard_options=grain.sharding.NoSharding(), shuffle=True, seed=0, num_epochs=1
+    )
+    return iter(grain.DataLoader(data_source=list(range(30)), sampler=sampler, worker_count=0))
+
+
+def grain_dataset() -> Any:
+    return iter(grain.MapDataset.range(30).shuffle(seed=1).to_iter_dataset())
+
+
+GRAIN_BAD = {
+    "deep nesting": b"[" * 100_000 + b"]" * 100_000,
+    "a 5000-digit integer": b'{"next_index": ' + b"9" * 5000 + b"}",
+    "bare NaN": b'{"next_index": NaN}',
+    "not UTF-8": b"\xff\xfe{}",
+    "a list": b"[1, 2]",
+    "a number": b"3",
+}
+
+
+@pytest.mark.parametrize("name", list(GRAIN_BAD))
+@pytest.mark.parametrize("target", [grain_loader, grain_dataset, None])
+def test_grain_state_that_is_not_json(tmp_path: Path, name: str, target: Any) -> None:
+    """DataLoader iterators get the file's bytes, which grain json-decodes itself: cairn parses
+    them first, so damage is CorruptCheckpointError whichever the target."""
+    with pytest.raises(
+        CorruptCheckpointError, match=r"step 7, item 'item', file .*process_0-of-1\.json"
+    ):
+        GrainIteratorHandler().restore(item(tmp_path, GRAIN_BAD[name]), target and target())
+
+
+@pytest.mark.parametrize(
+    ("data", "target"),
+    [
+        (b'{"next_index": "three"}', grain_dataset),
+        (b"{}", grain_dataset),
+        (b'{"last_seen_indices": 5, "last_worker_index": -1, "worker_count": 0}', grain_loader),
+        (b'{"version": 2}', grain_loader),
+    ],
+)
+def test_grain_state_the_target_refuses(tmp_path: Path, data: bytes, target: Any) -> None:
+    with pytest.raises(MismatchError, match="the target iterator does not accept the saved state"):
+        GrainIteratorHandler().restore(item(tmp_path, data), target())
+
+
+@pytest.mark.parametrize("handler", [StatefulIteratorHandler(), GrainIteratorHandler()])
+def test_valid_json_states_still_restore(tmp_path: Path, handler: Handler) -> None:
+    obj = advanced(
+        Shuffled() if isinstance(handler, StatefulIteratorHandler) else grain_dataset(), 5
+    )
+    records = write_item(handler, obj, tmp_path / "item")
+    fresh = Shuffled() if isinstance(handler, StatefulIteratorHandler) else grain_dataset()
+    restored = handler.restore(stored(tmp_path / "item", records), fresh)
+    assert take(restored) == take(obj)
