@@ -240,9 +240,27 @@ class TestTfDataIteratorHandler(IteratorContract):
         with pytest.raises(CorruptCheckpointError, match=r"not a cairn tf\.data state"):
             handler.restore(stored(tmp_path / "item", [record]), self.fresh())
 
+    def test_pipeline_the_probe_cannot_rebuild(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A tf.py_function cannot run in the probe process: a warning, and the restore goes on."""
+        ds = tf.data.Dataset.range(10).map(lambda x: tf.py_function(lambda y: y + 1, [x], tf.int64))
+        handler = TfDataIteratorHandler(external_state="ignore")
+        records = write_item(handler, advanced(iter(ds), 3), tmp_path / "item")
+        with caplog.at_level("WARNING", logger="cairn"):
+            got = handler.restore(stored(tmp_path / "item", records), iter(ds))
+        assert "probe process did not start" in caplog.text and "step 7, item 'item'" in caplog.text
+        assert int(next(got)) == 4
+
     def test_bad_options(self) -> None:
         with pytest.raises(ValueError, match="external_state must be"):
             TfDataIteratorHandler(external_state="maybe")
+        with pytest.raises(TypeError, match="probe must be a bool"):
+            TfDataIteratorHandler(probe="yes")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="probe_timeout must be a number"):
+            TfDataIteratorHandler(probe_timeout="60")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="probe_timeout must be positive and finite, got 0"):
+            TfDataIteratorHandler(probe_timeout=0)
         with pytest.raises(TypeError, match=r"saves iter\(tf\.data\.Dataset\)"):
             TfDataIteratorHandler().snapshot([1, 2, 3])
 
