@@ -600,8 +600,8 @@ def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None
     """Restore the state into the same pipeline in a short-lived child process first.
 
     A state with a valid layout can still hold values (a count, an index, compressed bytes) that
-    crash TensorFlow's restore code, make it loop, or leave an iterator that crashes when it is
-    destroyed. The child restores it, takes an element and destroys the iterator; if it dies or
+    crash TensorFlow's restore code or make it loop, when restoring, iterating or destroying the
+    iterator. The child restores it, takes an element and destroys the iterator; if it dies or
     hangs, this raises CorruptCheckpointError and no native code here saw the state. If
     TensorFlow refused the state there, this returns its message, and the caller raises without
     restoring here (a failed restore leaves the target half-restored). The child rebuilds the
