@@ -9,7 +9,7 @@ import pytest
 
 from cairn.handlers import InMemoryHandler
 
-pytest_plugins = ["s3util"]  # the s3_endpoint / s3_bucket fixtures: a real S3 server (moto)
+pytest_plugins = ["s3util", "gcsutil"]  # real S3 (moto) and GCS (fake-gcs-server) servers
 
 
 class Gate:
