@@ -9,7 +9,11 @@ import numpy as _np
 from cairn.handlers import _iterators, errors
 from cairn.handlers._files import (
     ChecksummedFile,
+    Destination,
     FileRecord,
+    LocalDestination,
+    LocalSource,
+    Source,
     StoredItem,
     write_file,
     writing_as,
@@ -32,17 +36,21 @@ from cairn.handlers._train_state import LazyArray, TrainStateHandler, TrainState
 
 __all__ = [
     "ChecksummedFile",
+    "Destination",
     "FileRecord",
     "GrainIteratorHandler",
     "Handler",
     "InMemoryHandler",
     "JsonHandler",
     "LazyArray",
+    "LocalDestination",
+    "LocalSource",
     "NumpyTreeHandler",
     "OrbaxDatasetHandler",
     "OrbaxJsonHandler",
     "OrbaxPyTreeHandler",
     "Snapshot",
+    "Source",
     "StatefulIteratorHandler",
     "StoredItem",
     "TfDataIteratorHandler",

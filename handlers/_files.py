@@ -7,6 +7,7 @@ always computed from the bytes as they are written, never by reading the file ag
 
 from __future__ import annotations
 
+import abc
 import bisect
 import contextlib
 import contextvars
@@ -18,7 +19,7 @@ import re
 import stat
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeGuard
@@ -30,8 +31,13 @@ from cairn.handlers.errors import CorruptCheckpointError
 
 __all__ = [
     "ChecksummedFile",
+    "Destination",
     "FileRecord",
+    "LocalDestination",
+    "LocalSource",
+    "Source",
     "StoredItem",
+    "as_destination",
     "check_relative",
     "content_hash",
     "fsync_dir",
@@ -194,6 +200,9 @@ def within(base: Path, relpath: str, *, what: str = "") -> Path:
     return path
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 class ChecksummedFile:
     """A binary file opened for writing that tracks its size and content hash as bytes go through.
 
@@ -201,8 +210,9 @@ class ChecksummedFile:
     fsyncs the whole temporary tree once, after every item is written.
     """
 
-    def __init__(self, root: Path, relpath: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], relpath: str) -> None:
         check_relative(relpath)
+        root = Path(root)
         self._relpath = relpath
         path = root / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,8 +247,13 @@ class ChecksummedFile:
         self.close()
 
 
-def write_file(root: Path, relpath: str, data: bytes) -> FileRecord:
-    """Write `data` to `root/relpath` (which must not exist) and return its record."""
+def write_file(root: Path | Destination, relpath: str, data: Buffer) -> FileRecord:
+    """Write `data` to `root/relpath` (which must not exist) and return its record.
+
+    `root` is a write phase's `Destination` (the file goes wherever the checkpoint is: a
+    directory, a bucket) or a local directory."""
+    if isinstance(root, Destination):
+        return root.write_file(relpath, data)
     with ChecksummedFile(root, relpath) as f:
         f.write(data)
     return f.record
@@ -320,39 +335,450 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+Pieces = Buffer | Sequence[Buffer]
+
+
+def _views(data: Pieces) -> list[memoryview]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(piece).cast("B") for piece in data]
+
+
+class Destination(abc.ABC):
+    """Where one item's write phase puts its files: a directory on disk, a prefix in a bucket.
+
+    A snapshot's ``write(dest)`` creates its files with `write_file` (whole contents, given as
+    one buffer or as pieces, written without joining them) or `create` (a file written
+    piecewise), each of which returns the file's `FileRecord`, its content hash computed from
+    the bytes as they go out. Where the checkpoint lives is the storage's business: the same
+    write phase writes into a temporary directory on disk or straight into an object store.
+
+    A handler that can only write through a library that wants a path may use the destination
+    as one (``os.fspath(dest)``, ``dest / "name"``): that is a local directory, the item's own
+    on disk; for an object store, a staging directory whose files the manager uploads after the
+    write phase, so they cost local disk and memory for their size.
+
+    Threads: `write_file` and `create` may be called from several threads at once (a handler's
+    writer pool); each path is written once.
+    """
+
+    def __init__(self) -> None:
+        self._written: dict[str, FileRecord] = {}
+        self._written_lock = threading.Lock()
+
+    @abc.abstractmethod
+    def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+        """Store one whole file (its pieces in order) under `relpath`."""
+
+    @abc.abstractmethod
+    def local_directory(self) -> Path:
+        """A local directory for files written through paths (see the class docstring)."""
+
+    @abc.abstractmethod
+    def describe(self, relpath: str) -> str:
+        """Where `relpath` goes, for messages (a path or a URL)."""
+
+    def write_file(self, relpath: str, data: Pieces) -> FileRecord:
+        """Write a whole file (which must not exist yet) and return its record."""
+        self._reserve(relpath)
+        views = _views(data)
+        digest = xxhash.xxh3_128()
+        for view in views:
+            digest.update(view)
+        self._put(relpath, views)
+        record = FileRecord(relpath, sum(v.nbytes for v in views), xxh3_128=digest.hexdigest())
+        with self._written_lock:
+            self._written[relpath] = record
+        return record
+
+    def create(self, relpath: str) -> ChecksummedFile | BufferedFile:
+        """A file to write piece by piece; a context manager whose `record` is valid once closed.
+
+        This default keeps the pieces in memory and stores them at close (object stores write
+        an object whole); a destination on disk streams them instead."""
+        self._reserve(relpath)
+        return BufferedFile(relpath, self._put_buffered)
+
+    def _put_buffered(self, relpath: str, pieces: list[memoryview], record: FileRecord) -> None:
+        self._put(relpath, pieces)
+        with self._written_lock:
+            self._written[relpath] = record
+
+    def _reserve(self, relpath: str) -> None:
+        check_relative(relpath)
+        with self._written_lock:
+            if relpath in self._written:
+                raise ValueError(f"{self.describe(relpath)} is written twice")
+            self._written[relpath] = _PENDING
+
+    def finish(self, handler_id: str, records: Sequence[FileRecord]) -> tuple[FileRecord, ...]:
+        """The write phase returned `records`: check that they name distinct files it really
+        wrote, at the sizes it wrote, and return them each with a content hash.
+
+        A file not written through `write_file` or `create` must be in `local_directory()` (a
+        handler that wrote through a path); it is hashed there (the one time cairn reads back a
+        file it wrote) and, for a remote destination, uploaded."""
+        seen: set[str] = set()
+        out = []
+        for record in records:
+            if not isinstance(record, FileRecord):
+                raise TypeError(f"handler {handler_id!r} returned {record!r}, not a FileRecord")
+            if record.path in seen:
+                raise ValueError(f"handler {handler_id!r} returned {record.path!r} twice")
+            seen.add(record.path)
+            check_relative(record.path)
+            with self._written_lock:
+                written = self._written.get(record.path)
+            if written is None or written is _PENDING:
+                out.append(self._adopt(handler_id, record))
+                continue
+            if record.size != written.size:
+                raise ValueError(
+                    f"handler {handler_id!r} says {record.path!r} has {record.size} bytes, "
+                    f"it wrote {written.size}"
+                )
+            if record.xxh3_128 is not None and record.xxh3_128 != written.xxh3_128:
+                raise ValueError(
+                    f"handler {handler_id!r} gives {record.path!r} a {CONTENT_HASH} that is not "
+                    "the one of the bytes it wrote"
+                )
+            out.append(dataclasses.replace(record, xxh3_128=written.xxh3_128))
+        return tuple(out)
+
+    def _adopt(self, handler_id: str, record: FileRecord) -> FileRecord:
+        """A file the handler wrote into `local_directory()` itself (checked, hashed, kept)."""
+        path = self.local_directory() / record.path
+        if not path.is_file() or path.is_symlink():
+            raise ValueError(
+                f"handler {handler_id!r} returned {record.path!r}, which it did not write"
+            )
+        size = path.stat().st_size
+        if size != record.size:
+            raise ValueError(
+                f"handler {handler_id!r} says {record.path!r} has {record.size} bytes, "
+                f"the file has {size}"
+            )
+        if record.xxh3_128 is None:
+            record = dataclasses.replace(record, xxh3_128=hash_file(path))
+        self._upload_staged(path, record)
+        return record
+
+    def _upload_staged(self, path: Path, record: FileRecord) -> None:
+        """Store a file written into the local directory (nothing to do when that is the item's
+        own directory)."""
+        del path, record
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.local_directory())
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        return self.local_directory() / other
+
+
+def as_destination(target: Destination | str | os.PathLike[str]) -> Destination:
+    """A write phase's argument as a `Destination`: a local directory given as a path (a test,
+    or code that calls a snapshot's write itself) becomes a `LocalDestination`."""
+    return target if isinstance(target, Destination) else LocalDestination(target)
+
+
+_PENDING = FileRecord("", 0, xxh3_128="0" * 32)  # a path reserved, its file not yet closed
+
+
+class BufferedFile:
+    """A file written piecewise into memory and handed to `store(relpath, pieces, record)` whole
+    when it closes (the way to write one object into an object store). Tracks size and hash."""
+
+    def __init__(
+        self, relpath: str, store: Callable[[str, list[memoryview], FileRecord], None]
+    ) -> None:
+        self._relpath, self._store = relpath, store
+        self._pieces: list[memoryview] = []
+        self._hash = xxhash.xxh3_128()
+        self._record: FileRecord | None = None
+
+    def write(self, data: Buffer) -> int:
+        view = memoryview(bytes(data))  # the caller may reuse its buffer
+        self._hash.update(view)
+        self._pieces.append(view)
+        return view.nbytes
+
+    def close(self) -> None:
+        if self._record is None:
+            size = sum(p.nbytes for p in self._pieces)
+            self._record = FileRecord(self._relpath, size, xxh3_128=self._hash.hexdigest())
+            self._store(self._relpath, self._pieces, self._record)
+            self._pieces = []
+
+    @property
+    def record(self) -> FileRecord:
+        if self._record is None:
+            raise RuntimeError(f"{self._relpath}: record asked before the file was closed")
+        return self._record
+
+    def __enter__(self) -> BufferedFile:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if typ is None:
+            self.close()
+
+
+class LocalDestination(Destination):
+    """An item's directory on a local filesystem (created if absent). Files are written with
+    ``writev`` straight from the caller's buffers; nothing is fsynced here (the storage makes
+    the whole step durable once, after every item is written)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self._made: set[str] = set()
+        self._made_lock = threading.Lock()
+
+    def local_directory(self) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.directory
+
+    def describe(self, relpath: str) -> str:
+        return str(self.directory / relpath)
+
+    def _open(self, relpath: str) -> int:
+        parent = os.path.dirname(relpath)
+        with self._made_lock:
+            if parent not in self._made:
+                os.makedirs(self.directory / parent, exist_ok=True)
+                self._made.add(parent)
+        return os.open(self.directory / relpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+        fd = self._open(relpath)
+        try:
+            views = [v for v in pieces if v.nbytes]
+            while views:
+                n = os.writev(fd, views[:1024])
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+        finally:
+            os.close(fd)
+
+    def create(self, relpath: str) -> ChecksummedFile | BufferedFile:
+        self._reserve(relpath)
+        with self._made_lock:
+            self._made.add(os.path.dirname(relpath))
+        return _TrackedFile(self, relpath)
+
+
+class _TrackedFile(ChecksummedFile):
+    """A ChecksummedFile that tells its destination its record when it closes."""
+
+    def __init__(self, dest: LocalDestination, relpath: str) -> None:
+        super().__init__(dest.directory, relpath)
+        self._dest = dest
+
+    def close(self) -> None:
+        if self._record is None:
+            super().close()
+            with self._dest._written_lock:
+                self._dest._written[self._relpath] = self.record
+
+
+class Source(abc.ABC):
+    """Where a restore reads one item's files from: a directory on disk, a prefix in a bucket.
+
+    Reads are bounded by what the manifest says: `read` and `readinto` never take more than
+    the expected size plus one byte, so a file that grew (or a crafted one) is found too long
+    without being read whole. `StoredItem` turns what they raise into CorruptCheckpointError.
+    Threads: every method may be called from several threads at once.
+    """
+
+    #: whether `size` is cheap (a stat), so that `StoredItem.check_files` is worth its cost.
+    cheap_size: bool = True
+
+    @abc.abstractmethod
+    def describe(self, relpath: str) -> str:
+        """Where `relpath` is, for messages (a path or a URL)."""
+
+    @abc.abstractmethod
+    def size(self, relpath: str) -> int:
+        """The file's size; FileNotFoundError if absent, CorruptCheckpointError if it is a link
+        or not a regular file."""
+
+    @abc.abstractmethod
+    def read(self, relpath: str, size: int) -> bytes:
+        """The file's bytes, at most `size` + 1 of them; FileNotFoundError if absent."""
+
+    def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
+        """Fill `buffers` in order from the file; the bytes read (at most their total + 1)."""
+        total = sum(b.nbytes for b in buffers)
+        data = memoryview(self.read(relpath, total))
+        offset = 0
+        for buffer in buffers:
+            n = min(buffer.nbytes, data.nbytes - offset)
+            buffer[:n] = data[offset : offset + n]
+            offset += n
+        return data.nbytes
+
+    @abc.abstractmethod
+    def local_directory(self, relpaths: Sequence[str]) -> Path:
+        """A local directory holding (at least) `relpaths`: the item's own on disk, a
+        download of them for an object store (unverified; check what is read)."""
+
+
+class LocalSource(Source):
+    """An item's directory on a local filesystem. No symbolic link is followed, from the item
+    directory down to the file, and anything that is not a regular file is refused."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self._real_dirs: set[str] = set()  # relative directories known not to be links
+
+    def describe(self, relpath: str) -> str:
+        return str(self.directory / relpath)
+
+    def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
+        return self.directory
+
+    def size(self, relpath: str) -> int:
+        parts = relpath.split("/")
+        for depth in range(len(parts)):
+            rel = "/".join(parts[:depth])
+            if rel in self._real_dirs:
+                continue
+            path = self.directory / rel if rel else self.directory
+            try:
+                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+            except NotADirectoryError:
+                raise FileNotFoundError(relpath) from None
+            if is_link:
+                raise CorruptCheckpointError(
+                    f"{path} is a symbolic link; cairn reads a checkpoint only from inside its "
+                    "directory"
+                )
+            self._real_dirs.add(rel)
+        try:
+            info = os.lstat(self.directory / relpath)
+        except NotADirectoryError:  # a directory on the way is a file (or a FIFO)
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)}: a directory on its way is not a directory"
+            ) from None
+        if stat.S_ISLNK(info.st_mode):
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} is a symbolic link; cairn reads a checkpoint only "
+                "from inside its directory"
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} is not a regular file "
+                f"(mode {stat.filemode(info.st_mode)})"
+            )
+        return info.st_size
+
+    def open(self, relpath: str, size: int) -> int:
+        """A read-only descriptor of the file, checked to be a regular file of `size` bytes."""
+        found = self.size(relpath)
+        if found != size:
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} has {found} bytes, the manifest says {size}"
+            )
+        return open_regular(self.directory / relpath)
+
+    def read(self, relpath: str, size: int) -> bytes:
+        with os.fdopen(self.open(relpath, size), "rb") as f:
+            return f.read(size + 1)
+
+    def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        fd = self.open(relpath, sum(v.nbytes for v in views))
+        try:
+            total = 0
+            while views:
+                n = os.readv(fd, views)
+                if n == 0:
+                    break
+                total += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+            return total + len(os.read(fd, 1))
+        finally:
+            os.close(fd)
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredItem:
     """What a handler's restore and describe get: one item of one committed step.
 
-    `files` maps each path (relative to `directory`) to the record the write phase returned;
-    `read_bytes` verifies against it and raises CorruptCheckpointError naming step, item and file.
+    `files` maps each path (relative to the item) to the record the write phase returned;
+    `read_bytes` and `read_into` verify against it and raise CorruptCheckpointError naming
+    step, item and file. `source` is where the files are (a `Source`; a local directory given
+    as a path is read through `LocalSource`).
     """
 
-    directory: Path
+    source: Source
     files: Mapping[str, FileRecord]
     step: int | None = None
     name: str = ""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, Source):
+            object.__setattr__(self, "source", LocalSource(self.source))
+
+    @property
+    def directory(self) -> Path:
+        """A local directory with the item's files: for handlers that read through a library
+        that wants a path. For an object store this downloads every file of the item first;
+        prefer `read_bytes` and `read_into`, which read only what is asked."""
+        return self.source.local_directory(sorted(self.files))
+
+    def _where(self) -> str:
+        return (f"step {self.step}, " if self.step is not None else "") + f"item {self.name!r}: "
+
     def describe_file(self, relpath: str) -> str:
-        where = f"step {self.step}, " if self.step is not None else ""
-        return f"{where}item {self.name!r}, file {self.directory / relpath}"
+        return f"{self._where()[:-2]}, file {self.source.describe(relpath)}"
+
+    def _record(self, relpath: str) -> FileRecord:
+        record = self.files.get(relpath)
+        if record is None:
+            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is not in the manifest")
+        return record
+
+    @contextlib.contextmanager
+    def _reading(self, relpath: str) -> Iterator[None]:
+        """What reading a file raises, as CorruptCheckpointError naming the file."""
+        try:
+            yield
+        except (FileNotFoundError, NotADirectoryError):
+            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
+        except CorruptCheckpointError as e:  # the source's message names the file
+            raise CorruptCheckpointError(f"{self._where()}{e}") from None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} cannot be read: {e}"
+            ) from None
 
     def check_files(self, prefix: str = "") -> None:
         """Every recorded file under `prefix` exists with its recorded size (a stat, no read).
 
-        For files a reader does not verify itself: a missing zarr chunk would read as zeros.
-        A symbolic link anywhere on the way (the item directory, a subdirectory, the file) is
-        refused: a checkpoint is read from inside its own directory only.
+        For failing early, before anything is parsed or allocated. A symbolic link anywhere on
+        the way (the item directory, a subdirectory, the file) is refused: a checkpoint is read
+        from inside its own directory only. A no-op where sizes cost a request each (object
+        stores): there every read checks size and content anyway.
         """
+        if not self.source.cheap_size:
+            return
         names = self._sorted_names
         for relpath in names[bisect.bisect_left(names, prefix) :]:
             if not relpath.startswith(prefix):
                 break
             record = self.files[relpath]
-            try:
-                size = self._lstat(relpath).st_size
-            except (FileNotFoundError, NotADirectoryError):
-                raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
+            with self._reading(relpath):
+                size = self.source.size(relpath)
             if size != record.size:
                 raise CorruptCheckpointError(
                     f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
@@ -362,72 +788,37 @@ class StoredItem:
     def _sorted_names(self) -> list[str]:
         return sorted(self.files)
 
-    @functools.cached_property
-    def _real_dirs(self) -> set[str]:
-        return set()  # relative directories already checked not to be links ("" is the item)
-
-    def _lstat(self, relpath: str) -> os.stat_result:
-        """lstat of a file, after checking that neither it nor a directory above it, up to and
-        including the item directory, is a symbolic link (CorruptCheckpointError if one is)."""
-        parts = relpath.split("/")
-        for depth in range(len(parts)):
-            rel = "/".join(parts[:depth])
-            if rel in self._real_dirs:
-                continue
-            path = self.directory / rel if rel else self.directory
-            try:
-                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
-            except (FileNotFoundError, NotADirectoryError):
-                raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
-            if is_link:
-                raise CorruptCheckpointError(
-                    f"{self.describe_file(relpath)}: {path} is a symbolic link; cairn reads a "
-                    "checkpoint only from inside its directory"
-                )
-            self._real_dirs.add(rel)
-        try:
-            info = os.lstat(self.directory / relpath)
-        except NotADirectoryError:  # a directory on the way is a file (or a FIFO)
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)}: a directory on its way is not a directory"
-            ) from None
-        if stat.S_ISLNK(info.st_mode):
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)} is a symbolic link; cairn reads a checkpoint only "
-                "from inside its directory"
-            )
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)} is not a regular file "
-                f"(mode {stat.filemode(info.st_mode)})"
-            )
-        return info
-
     def open_file(self, relpath: str) -> int:
-        """A read-only descriptor of a recorded file, after the checks of `check_files`; the
-        caller closes it and checks what it reads with ``files[relpath].check``."""
-        record = self.files.get(relpath)
-        if record is None:
-            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is not in the manifest")
-        try:
-            size = self._lstat(relpath).st_size
-            if size != record.size:
-                raise CorruptCheckpointError(
-                    f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
-                )
-            return open_regular(self.directory / relpath)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.describe_file(relpath)} is missing") from None
-        except CorruptCheckpointError:
-            raise
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)} cannot be read: {e}"
-            ) from None
+        """A read-only descriptor of a recorded file in a local directory, after the checks of
+        `check_files`; the caller closes it and checks what it reads with
+        ``files[relpath].check``. TypeError for a source that is not local: use `read_into`."""
+        record = self._record(relpath)
+        if not isinstance(self.source, LocalSource):
+            raise TypeError(f"{self.describe_file(relpath)} is not on a local filesystem")
+        with self._reading(relpath):
+            return self.source.open(relpath, record.size)
 
     def read_bytes(self, relpath: str) -> bytes:
         """The whole content of a recorded file, checked against its record."""
-        with os.fdopen(self.open_file(relpath), "rb") as f:
-            data = f.read()
-        self.files[relpath].check(data, self.describe_file(relpath))
+        record = self._record(relpath)
+        with self._reading(relpath):
+            data = self.source.read(relpath, record.size)
+        record.check(data, self.describe_file(relpath))
         return data
+
+    def read_into(self, relpath: str, buffers: Sequence[memoryview]) -> None:
+        """Read a recorded file into `buffers` (whose sizes add up to the file's) and check its
+        size; the caller checks the content (its hash, over the same buffers)."""
+        record = self._record(relpath)
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if total != record.size:
+            raise ValueError(
+                f"{self.describe_file(relpath)}: buffers of {total} bytes for {record.size}"
+            )
+        with self._reading(relpath):
+            got = self.source.readinto(relpath, buffers)
+        if got != record.size:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} has {'more' if got > record.size else got} "
+                f"bytes, the manifest says {record.size}"
+            )

@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers._files import ChecksummedFile, FileRecord, StoredItem, writing_process
+from cairn.handlers._files import (
+    Destination,
+    FileRecord,
+    StoredItem,
+    as_destination,
+    writing_process,
+)
 from cairn.handlers._tree import dtype_from_name, dtype_name
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
@@ -51,9 +57,10 @@ class _BytesSnapshot:
         self._pieces = pieces
         self._suffix = suffix
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         index, count = writing_process()
-        with ChecksummedFile(directory, f"process_{index}-of-{count}{self._suffix}") as f:
+        with dest.create(f"process_{index}-of-{count}{self._suffix}") as f:
             for piece in self._pieces:
                 f.write(piece)
         return [f.record]

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import FileRecord, StoredItem, parse_json, write_file, writing_process
+from cairn.handlers._files import (
+    Destination,
+    FileRecord,
+    StoredItem,
+    as_destination,
+    parse_json,
+    writing_process,
+)
 
 __all__ = ["JsonHandler"]
 
@@ -18,10 +25,11 @@ class _JsonSnapshot:
     def __init__(self, text: str) -> None:
         self._data = text.encode()
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         if writing_process()[0] != 0:
             return []  # the same on every process: the primary writes it
-        return [write_file(directory, _FILE, self._data)]
+        return [dest.write_file(_FILE, self._data)]
 
 
 class JsonHandler:

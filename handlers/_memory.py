@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import FileRecord, StoredItem, write_file
+from cairn.handlers._files import Destination, FileRecord, StoredItem, as_destination
 
 __all__ = ["InMemoryHandler"]
 
@@ -21,13 +21,14 @@ class _MemorySnapshot:
         self._handler = handler
         self._obj = obj
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         if self._handler.on_write is not None:
             self._handler.on_write()
         token = uuid.uuid4().hex
         with self._handler._lock:
             self._handler._store[token] = self._obj
-        return [write_file(directory, _FILE, token.encode())]
+        return [dest.write_file(_FILE, token.encode())]
 
 
 class InMemoryHandler:

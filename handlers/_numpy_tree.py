@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers._files import (
-    ChecksummedFile,
+    Destination,
     FileRecord,
     StoredItem,
-    write_file,
+    as_destination,
     writing_process,
 )
 from cairn.handlers._tree import (
@@ -49,15 +49,16 @@ class _TreeSnapshot:
         self._tree = tree
         self._arrays = arrays
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         if writing_process()[0] != 0:
             return []  # host values, the same on every process: the primary writes them
         records = []
         for i, arr in enumerate(self._arrays):
-            with ChecksummedFile(directory, f"arrays/{i}.npy") as f:
+            with dest.create(f"arrays/{i}.npy") as f:
                 np.lib.format.write_array(f, arr, allow_pickle=False)
             records.append(f.record)
-        records.append(write_file(directory, TREE, json.dumps(self._tree).encode()))
+        records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
 
 

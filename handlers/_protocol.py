@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
-from cairn.handlers._files import FileRecord, StoredItem
+from cairn.handlers._files import Destination, FileRecord, StoredItem
 
 __all__ = ["Handler", "Snapshot"]
 
@@ -18,15 +17,17 @@ class Snapshot(Protocol):
     (mutating, overwriting, donating arrays) may change what `write` stores.
     """
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
-        """Write the captured state into `directory` and return the files written.
+    def write(self, dest: Destination) -> Sequence[FileRecord]:
+        """Write the captured state through `dest` and return the files written.
 
-        Runs on the manager's commit thread (or the caller's, for synchronous saves). `directory`
-        exists and is empty; it is a temporary directory that the manager renames after every
-        item is written, so store only paths relative to it. Each returned record has the size and
-        crc32c computed while writing (`ChecksummedFile`, `write_file`); files not returned (for
-        example chunk files that carry their own checksums) are not verified by the manager.
-        The manager fsyncs every file and directory afterwards.
+        Runs on the manager's commit thread (or the caller's, for synchronous saves). `dest` is
+        the item's place in an uncommitted step, empty: a temporary directory on disk, or a
+        prefix in an object store that no reader sees before the manifest is written. Create
+        each file with ``dest.write_file(relpath, data)`` or ``with dest.create(relpath) as f``,
+        which return its `FileRecord` (size and content hash, computed as the bytes go out), and
+        return those records. A file not returned is not part of the step. The storage makes
+        everything durable afterwards. A handler that can only write through a path may use
+        ``os.fspath(dest)`` / ``dest / name``: a local directory (see `Destination`).
         """
         ...
 
@@ -55,7 +56,8 @@ class Handler(Protocol):
         """Read the item back: into the shape of `target` when given, else as it was saved.
 
         Disagreement between target and checkpoint raises MismatchError naming the key path;
-        damaged files raise CorruptCheckpointError (use `stored.read_bytes`). Stateful targets
+        damaged files raise CorruptCheckpointError (use `stored.read_bytes` or
+        `stored.read_into`, which read from wherever the step is and check what they read). Stateful targets
         (iterators) are restored in place and also returned.
         """
         ...

@@ -19,7 +19,6 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,11 +30,12 @@ import numpy as np
 import xxhash
 
 from cairn.handlers._files import (
+    Destination,
     FileRecord,
     StoredItem,
+    as_destination,
     lower_thread_priority,
     parse_json,
-    write_file,
     writing_process,
 )
 from cairn.handlers._tree import (
@@ -163,7 +163,8 @@ class _StateSnapshot:
         self._tree = tree
         self._leaves = leaves
 
-    def write(self, directory: Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         h = self._handler
         primary = writing_process()[0] == 0  # shared files once; every process its own shards
         records: list[FileRecord] = []
@@ -172,15 +173,13 @@ class _StateSnapshot:
             base = f"arrays/{leaf.index}"
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
             if primary:
-                records.append(
-                    write_file(directory, f"{base}/zarr.json", json.dumps(meta).encode())
-                )
+                records.append(dest.write_file(f"{base}/zarr.json", json.dumps(meta).encode()))
             if leaf.shared and not primary:
                 continue
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     jobs.append((f"{base}/{key}", part, leaf.dtype))
-        records += _write_chunks(directory, jobs, h.max_inflight_bytes, h.threads)
+        records += _write_chunks(dest, jobs, h.max_inflight_bytes, h.threads)
         for leaf in self._leaves:  # a donated buffer may have been overwritten while we read it
             for source in leaf.sources:
                 if source.is_deleted():
@@ -190,7 +189,7 @@ class _StateSnapshot:
                         "until the save commits (wait_until_finished) or call save() again."
                     )
         if primary:
-            records.append(write_file(directory, TREE, json.dumps(self._tree).encode()))
+            records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
 
 
@@ -281,7 +280,7 @@ def _chunks_of(
 
 
 def _write_chunks(
-    directory: Path,
+    dest: Destination,
     jobs: list[tuple[str, np.ndarray, np.dtype]],
     max_inflight_bytes: int,
     threads: int,
@@ -295,8 +294,6 @@ def _write_chunks(
     due, which allocates one chunk at a time; `max_inflight_bytes` bounds those casts in flight.
     """
     budget = threading.BoundedSemaphore(max(1, max_inflight_bytes // _MiB))
-    made: set[str] = set()
-    lock = threading.Lock()
 
     def one(relpath: str, part: np.ndarray, want: np.dtype) -> FileRecord:
         tickets = 0
@@ -308,22 +305,8 @@ def _write_chunks(
             data = part.astype(want) if tickets else part
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # ml_dtypes lack buffers
             view = memoryview(raw)  # type: ignore[arg-type]
-            crc = crc32c.crc32c(view)
-            tail = crc.to_bytes(4, "little")
-            path = directory / relpath
-            parent = os.path.dirname(path)
-            with lock:
-                if parent not in made:
-                    os.makedirs(parent, exist_ok=True)
-                    made.add(parent)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, [view, tail])
-            finally:
-                os.close(fd)
-            digest = xxhash.xxh3_128(view)
-            digest.update(tail)
-            return FileRecord(relpath, view.nbytes + 4, xxh3_128=digest.hexdigest())
+            tail = crc32c.crc32c(view).to_bytes(4, "little")
+            return dest.write_file(relpath, [view, tail])
         finally:
             for _ in range(tickets):
                 budget.release()
@@ -334,17 +317,6 @@ def _write_chunks(
         max_workers=threads, thread_name_prefix="cairn-write", initializer=lower_thread_priority
     ) as pool:
         return list(pool.map(lambda job: one(*job), jobs))
-
-
-def _write_all(fd: int, parts: list[memoryview | bytes]) -> None:
-    views = [memoryview(p) for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
 
 
 class TrainStateHandler:
@@ -630,13 +602,7 @@ class _LeafReader:
         record = self.stored.files[relpath]
         data = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         tail = bytearray(4)
-        fd = self.stored.open_file(relpath)
-        try:
-            got = _read_all(fd, [data, tail])
-        finally:
-            os.close(fd)
-        if got != record.size:
-            raise CorruptCheckpointError(f"{self.describe(relpath)} was cut short while read")
+        self.stored.read_into(relpath, [data, memoryview(tail)])
         if record.xxh3_128 is not None:
             digest = xxhash.xxh3_128(data)
             digest.update(tail)
@@ -716,23 +682,6 @@ class _Read:
         for future in self._futures:
             future.result()
         return self._out
-
-
-def _read_all(fd: int, parts: list[Any]) -> int:
-    """readv until the buffers are full or the file ends; returns the bytes read."""
-    views = [memoryview(p).cast("B") for p in parts]
-    total = 0
-    while views:
-        n = os.readv(fd, views)
-        if n == 0:
-            break
-        total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
 
 
 class _Scalar:

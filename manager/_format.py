@@ -18,8 +18,8 @@ from typing import Any, TypeGuard
 import crc32c
 
 from cairn.handlers import FileRecord
-from cairn.handlers._files import parse_json
 from cairn.handlers.errors import CorruptCheckpointError, UnsupportedFormatError
+from cairn.handlers.io import parse_json
 
 FORMAT_VERSION = 2
 MANIFEST = "_CHECKPOINT.json"
@@ -156,6 +156,11 @@ class Manifest:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     telemetry: Mapping[str, float] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    def with_dropped(self, item: str) -> Manifest:
+        """This manifest with `item` marked dropped by per-item retention (no files)."""
+        entry = dataclasses.replace(self.items[item], dropped=True, files=())
+        return dataclasses.replace(self, items={**self.items, item: entry})
 
     def to_bytes(self) -> bytes:
         return dump_checked(

@@ -6,14 +6,9 @@ import concurrent.futures
 import concurrent.futures.thread  # registers its shutdown hook before ours (see _finish_at_exit)
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
-import stat
-import tempfile
 import threading
 import time
 import uuid
@@ -21,14 +16,12 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
-from cairn.handlers._files import lower_thread_priority, read_no_follow, writing_as
 from cairn.handlers.errors import (
     CommitError,
     CorruptCheckpointError,
-    DirectoryLockedError,
     ItemNotFoundError,
     MismatchError,
     ReadOnlyError,
@@ -36,17 +29,15 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.manager import _commit, _objectstore, _telemetry
+from cairn.handlers.io import lower_thread_priority, writing_as
+from cairn.manager import _commit, _telemetry
+from cairn.manager._catalog import Catalog, StepRecord, read_record
 from cairn.manager._format import (
-    LOCK,
-    MANIFEST,
-    METRICS,
-    ItemEntry,
     Manifest,
     StepNames,
     check_metadata,
     check_metrics,
-    load_checked,
+    dump_checked,
 )
 from cairn.manager._multihost import SINGLE, Processes
 from cairn.manager._policies import (
@@ -57,7 +48,6 @@ from cairn.manager._policies import (
     KeepPolicy,
     SaveContext,
     SavePolicy,
-    StepView,
     checked_should_save,
     find_keep_best,
     find_on_preemption,
@@ -65,7 +55,17 @@ from cairn.manager._policies import (
     steps_to_delete,
 )
 from cairn.manager._preemption import PreemptionWatch
-from cairn.manager._validate import as_step, check_item_name, check_items
+from cairn.manager._storage import check_directory, open_storage
+from cairn.manager._validate import (
+    as_step,
+    check_barrier_timeout,
+    check_best,
+    check_flag,
+    check_handlers,
+    check_items,
+    check_keep_items,
+    check_max_pending,
+)
 
 log = logging.getLogger("cairn")
 T = TypeVar("T")
@@ -110,21 +110,6 @@ class StepInfo:
         return sum(i.bytes for i in self.items.values())
 
 
-@dataclasses.dataclass
-class _Step:
-    """A committed step as the manager knows it: its manifest, or why it is unreadable."""
-
-    manifest: Manifest | None
-    error: Exception | None = None
-    late_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    foreign: bool = False  # written by orbax-checkpoint: read-only for cairn
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        base = dict(self.manifest.metrics) if self.manifest else {}
-        return {**base, **self.late_metrics}
-
-
 class CheckpointManager:
     """Saves steps of a training run into one directory and brings them back.
 
@@ -141,16 +126,18 @@ class CheckpointManager:
     saves, the commit, retention, `record_metrics`, `delete` and `reload` -- every change to the
     directory -- in submission order, so they never interleave. `save()` returns after the
     snapshot phase; at most `max_pending` saves are in flight, and a further save waits (counted as
-    blocked time). State shared with the commit thread (known steps, steps in flight, errors) is
-    guarded by one lock. An error on the commit thread is kept and raised once, as CommitError with
+    blocked time). State shared with the commit thread (the `Catalog` of known steps and steps in
+    flight, errors) is guarded by locks. An error on the commit thread is kept and raised once, as CommitError with
     the original chained, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
-    A deleted step leaves the directory's listing on the commit thread (renamed to ``.trash-*``);
-    a second thread ("cairn-reclaim") then frees its space, and `close` waits for it. Background
+    A deleted step leaves the directory's listing on the commit thread (on POSIX renamed to
+    ``.trash-*``); a second thread ("cairn-reclaim") then frees its space, and `close` waits for
+    it. Every byte goes through the directory's `Storage` (POSIX, object store, memory); the
+    manager never asks which one it is. Background
     threads run at a lower CPU priority (nice 10), so a training step on busy cores goes first.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
-    ``<directory>/.cairn.lock`` (DirectoryLockedError otherwise); any number of
-    ``read_only=True`` managers may read alongside it.
+    ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError
+    otherwise); any number of ``read_only=True`` managers may read alongside it.
     """
 
     def __init__(
@@ -171,9 +158,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        target = _check_directory(directory)
-        self._root: Path = target if isinstance(target, Path) else Path()  # set below for URLs
-        self._options = _objectstore.StorageOptions.from_mapping(storage_options)
+        target = check_directory(directory)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
         if policy_kind(self._save_policy) != "save":
             raise TypeError(
@@ -184,115 +169,69 @@ class CheckpointManager:
             raise TypeError(
                 f"keep= must be a keep policy (KeepLatest, KeepBest, ...), got {keep!r}"
             )
-        self._keep_items = _check_keep_items(keep_items)
-        self._handlers = _check_handlers(handlers)
-        self._best = _check_best(best)
+        self._keep_items = check_keep_items(keep_items)
+        self._handlers = check_handlers(handlers)
+        self._best = check_best(best)
         self._names = StepNames(step_prefix, step_digits)
-        for flag, value in (("async_save", async_save), ("read_only", read_only)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {value!r}")
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-        if (
-            isinstance(barrier_timeout, bool)
-            or not isinstance(barrier_timeout, (int, float))
-            or not barrier_timeout > 0
-        ):
-            raise ValueError(
-                f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
-            )
-        self._async = async_save
-        self._read_only = read_only
+        self._async = check_flag("async_save", async_save)
+        self._read_only = check_flag("read_only", read_only)
+        self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
+        self._timeout = check_barrier_timeout(barrier_timeout)
         if tensorboard_dir is not None and not isinstance(tensorboard_dir, (str, os.PathLike)):
             raise TypeError(f"tensorboard_dir must be a path, got {tensorboard_dir!r}")
-        self._timeout = float(barrier_timeout)
         # Writers of a jax.distributed run coordinate; readers need not, but restore each
         # process's own per-process data (iterator positions).
         self._procs = SINGLE if read_only else Processes.detect()
         self._me = Processes.detect() if read_only else self._procs
         self._calls = 0  # collective calls so far: the same sequence on every process
 
-        self._lock = threading.Lock()
-        self._steps: dict[int, _Step] = {}
-        self._inflight: set[int] = set()
+        self._storage = open_storage(target, storage_options)
+        self._where = self._storage.url
+        if self._procs.count > 1 and not self._storage.multi_process:
+            self._storage.close()
+            raise ValueError(
+                f"directory {self._where!r}: object stores are single-process in this version"
+            )
+        self._catalog = Catalog()
+        self._errors_lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []
-        self._commit_telemetry: dict[int, dict[str, float]] = {}
-        self._restore_telemetry: dict[int, float] = {}
-        self._slots = threading.BoundedSemaphore(max_pending)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reclaimer: concurrent.futures.ThreadPoolExecutor | None = None
-        self._dir_lock: _DirectoryLock | None = None
-        self._lease: _objectstore.Lease | None = None
         self._closed = False
-        self._store: _objectstore.ObjectStore | None = None
-        self._where = str(self._root)
-        if isinstance(target, str):  # an object store: a local staging directory for files
-            if self._procs.count > 1:
-                raise ValueError(
-                    f"directory {target!r}: object stores are single-process in this version"
-                )
-            self._store = _objectstore.ObjectStore(target, self._options)
-            self._where = self._store.url
-            self._root = Path(tempfile.mkdtemp(prefix="cairn-staging-"))
-            self._local = weakref.finalize(self, shutil.rmtree, self._root, True)
-
-        primary = self._procs.primary
-        if self._store is not None:
-            if not read_only:
-                self._lease = _objectstore.Lease(self._store)
-        elif not read_only and primary:
-            try:
-                self._root.mkdir(parents=True, exist_ok=True)
-                self._dir_lock = _DirectoryLock(self._root)
-            except OSError as e:
-                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    raise
-                raise ReadOnlyError(
-                    f"{self._root} cannot be written ({e.strerror}); open it with "
-                    "read_only=True to read its checkpoints"
-                ) from e
+        self._writer = not read_only and self._procs.primary  # holds the lock, cleans, deletes
         try:
-            if not read_only and primary and self._store is None:
-                _commit.clean_leftovers(self._root, self._names)
-            run = uuid.uuid4().hex if primary else None
-            opened = _OPENED[str(self._root)] = _OPENED.get(str(self._root), 0) + 1
-            key = (
-                f"cairn/open/{opened}:{self._root}"  # the same on every process, unique per manager
-            )
+            if self._writer:
+                self._storage.acquire()
+                self._storage.clean_leftovers(self._names)
+            run = uuid.uuid4().hex if self._procs.primary else None
+            opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
+            key = f"cairn/open/{opened}:{self._where}"  # the same on every process, per manager
             self._run = (
                 self._procs.broadcast(key, run, self._timeout)
                 if self._procs.count > 1
                 else run or ""
             )
             self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
-            self._steps = self._scan(clean=not read_only)
-            if self._store is not None and not read_only:  # a crash inside a drop_item
-                _objectstore.remove_dropped(
-                    self._store,
+            self._catalog.replace(self._scan())
+            if self._writer:  # a crash between an item's drop and the removal of its files
+                self._storage.remove_dropped(
                     {
-                        self._names.format(step): [
-                            n for n, e in rec.manifest.items.items() if e.dropped
-                        ]
-                        for step, rec in self._steps.items()
-                        if rec.manifest is not None
-                    },
+                        self._names.format(step): manifest
+                        for step, manifest in self._catalog.manifests().items()
+                        if any(e.dropped for e in manifest.items.values())
+                    }
                 )
-            if not read_only and primary and self._store is None:  # a crash between drop and trash
-                for step, rec in self._steps.items():
-                    if rec.manifest is not None:
-                        _commit.remove_dropped(self._root / self._names.format(step), rec.manifest)
         except BaseException:
-            if self._dir_lock is not None:
-                self._dir_lock.release()
-            if self._lease is not None:
-                self._lease.release()
+            if self._writer:
+                self._storage.release()
+            self._storage.close()
             raise
         if not read_only and async_save:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="cairn-commit", initializer=lower_thread_priority
             )
             _OPEN_WRITERS.add(self)
-        # Deleted steps are renamed to trash on the commit thread; freeing their space is slow on
+        # Deleted steps leave the listing on the commit thread; freeing their space is slow on
         # some filesystems (seconds per GiB with online discard), so it happens here, off that path.
         self._reclaimer = (
             None
@@ -302,7 +241,7 @@ class CheckpointManager:
             )
         )
         self._telemetry = _telemetry.Telemetry(tensorboard_dir)
-        newest = self._newest_intact()
+        newest = self._catalog.newest_intact()
         self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
         preemption = [] if read_only else find_on_preemption(self._save_policy)
         self._preemption = (
@@ -315,7 +254,7 @@ class CheckpointManager:
     @property
     def directory(self) -> Path | str:
         """The checkpoint directory: a Path, or the URL of an object-store directory."""
-        return self._where if self._store is not None else self._root
+        return self._storage.directory
 
     @property
     def read_only(self) -> bool:
@@ -335,8 +274,7 @@ class CheckpointManager:
     def should_save(self, step: Any) -> bool:
         """Whether the save policy wants `step` saved; False for steps at or below the newest."""
         step = as_step(step)
-        with self._lock:
-            known = set(self._steps) | self._inflight
+        known = self._catalog.known()
         if step in known or (known and step <= max(known)):
             return False
         preempted = self._preemption is not None and self._preemption.reached(step)
@@ -389,10 +327,9 @@ class CheckpointManager:
         for name, obj in items.items():
             with _naming_item(name):
                 handlers[name] = self._handlers.get(name) or handler_for(obj)
-        with self._lock:
-            if step in self._steps or step in self._inflight:
-                state = "committed" if step in self._steps else "being committed"
-                raise StepAlreadyExistsError(f"step {step} is already {state} in {self._root}")
+        state = self._catalog.state(step)
+        if state is not None:
+            raise StepAlreadyExistsError(f"step {step} is already {state} in {self._where}")
         if not force and not self.should_save(step):
             return False
 
@@ -426,16 +363,14 @@ class CheckpointManager:
             started_at=started_at,
             blocked_s=time.monotonic() - entered,
         )
-        with self._lock:
-            self._inflight.add(step)
+        self._catalog.start(step)
         if self._executor is None:
             self._run_save(job, reraise=True)
             return True
         try:
             self._executor.submit(self._run_save, job, reraise=False)
         except BaseException:  # e.g. called from an atexit hook after interpreter shutdown began
-            with self._lock:
-                self._inflight.discard(step)
+            self._catalog.committed(step, None)
             self._slots.release()
             raise
         if self._preemption is not None and self._preemption.reached(step):
@@ -476,48 +411,34 @@ class CheckpointManager:
         procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
         try:
             try:
-                manifest: Manifest | None
-                if self._store is not None:
-                    manifest = _objectstore.commit_step(
-                        self._store, self._root, self._names, job, self._lease
-                    )
-                else:
-                    manifest = _commit.commit_step(
-                        self._root, self._names, job, procs, timeout_s=self._timeout
-                    )
+                manifest = _commit.commit_step(
+                    self._storage, self._names, job, procs, timeout_s=self._timeout
+                )
                 if manifest is None:  # not the primary: wait for its word
                     outcome = procs.broadcast(outcome_key, None, self._timeout)
                     if outcome != "ok":
                         raise RuntimeError(
                             f"the primary process did not commit step {job.step}: {outcome}"
                         )
-                    steps = self._scan()
-                    with self._lock:
-                        self._steps = steps
-                        self._inflight.discard(job.step)
+                    self._catalog.replace(self._scan())
+                    self._catalog.committed(job.step, None)
                     procs.barrier(f"{outcome_key}/read", self._timeout)  # see below
                     return
             except BaseException as e:
                 if procs.count > 1 and procs.primary:
                     with contextlib.suppress(Exception):
                         procs.broadcast(outcome_key, f"{type(e).__name__}: {e}", self._timeout)
-                with self._lock:
-                    self._inflight.discard(job.step)
+                self._catalog.committed(job.step, None)
                 if not reraise:
                     self._keep_error(f"the commit of step {job.step}", e)
-                self._adopt_if_on_disk(job.step)  # e.g. the rename happened, its fsync failed
+                self._adopt_if_committed(job.step)  # e.g. the rename happened, its fsync failed
                 if reraise:
                     raise
                 return
             commit_s = time.monotonic() - t0
             size = manifest.telemetry.get("bytes", 0.0)
-            with self._lock:
-                self._steps[job.step] = _Step(manifest)
-                self._inflight.discard(job.step)
-                self._commit_telemetry[job.step] = {
-                    "commit_s": commit_s,
-                    "bytes_per_s": size / commit_s if commit_s > 0 else 0.0,
-                }
+            telemetry = {"commit_s": commit_s, "bytes_per_s": size / commit_s if commit_s else 0.0}
+            self._catalog.committed(job.step, StepRecord(manifest), telemetry)
             log.info(
                 "cairn: committed step %d: blocked %.1f ms, commit %.1f ms, %.0f bytes",
                 job.step,
@@ -544,35 +465,21 @@ class CheckpointManager:
 
     def _keep_error(self, what: str, error: BaseException) -> None:
         log.error("cairn: %s failed: %r", what, error)
-        with self._lock:
+        with self._errors_lock:
             self._errors.append((what, error))
 
     def _apply_retention(self) -> None:
-        """Commit thread: delete the committed steps the keep policy does not keep."""
-        with self._lock:
-            views = [
-                StepView(s, rec.manifest.started_at, rec.metrics)
-                for s, rec in self._steps.items()
-                if rec.manifest is not None and not rec.foreign  # Orbax steps are never touched
-            ]
+        """Commit thread: delete the committed steps the keep policy does not keep, then drop
+        the items the per-item policies do not keep."""
         failures = []
-        for step in steps_to_delete(views, self._keep):
+        for step in steps_to_delete(self._catalog.views(), self._keep):
             log.info("cairn: retention deletes step %d", step)
             try:
                 self._delete_now(step)
             except OSError as e:  # one bad step must not stop retention for the others
                 failures.append((step, e))
         for item, policy in self._keep_items.items():
-            with self._lock:
-                holding = [
-                    StepView(s, rec.manifest.started_at, rec.metrics)
-                    for s, rec in self._steps.items()
-                    if rec.manifest is not None
-                    and not rec.foreign
-                    and item in rec.manifest.items
-                    and not rec.manifest.items[item].dropped
-                ]
-            for step in steps_to_delete(holding, policy):
+            for step in steps_to_delete(self._catalog.views(item), policy):
                 log.info("cairn: retention drops item %r of step %d", item, step)
                 try:
                     self._drop_item_now(step, item)
@@ -585,38 +492,26 @@ class CheckpointManager:
             ) from first
 
     def _delete_now(self, step: int) -> None:
-        if self._store is not None:
-            _objectstore.delete_step(self._store, self._names.format(step))
-            with self._lock:
-                self._steps.pop(step, None)
-                self._commit_telemetry.pop(step, None)
-            return
         try:
-            trash = _commit.delete_step(self._root, self._names.format(step))
-        finally:
-            if not (self._root / self._names.format(step)).exists():  # gone, whoever removed it
-                with self._lock:
-                    self._steps.pop(step, None)
-                    self._commit_telemetry.pop(step, None)
-        if trash is not None and self._reclaimer is not None:
-            self._reclaimer.submit(_commit.remove_trash, trash)
+            reclaim = self._storage.delete_step(self._names.format(step))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if self._storage.read_step(self._names, step) is None:  # gone all the same
+                    self._catalog.remove(step)
+            raise
+        self._catalog.remove(step)
+        self._reclaim(reclaim)
 
     def _drop_item_now(self, step: int, item: str) -> None:
-        with self._lock:
-            rec = self._steps[step]
-        assert rec.manifest is not None
-        if self._store is not None:
-            new = _objectstore.drop_item(self._store, self._names.format(step), rec.manifest, item)
-            with self._lock:
-                rec.manifest = new
-            return
-        manifest, trash = _commit.drop_item(
-            self._root / self._names.format(step), rec.manifest, item
-        )
-        with self._lock:
-            rec.manifest = manifest
-        if trash is not None and self._reclaimer is not None:
-            self._reclaimer.submit(_commit.remove_trash, trash)
+        manifest = self._manifest(step).with_dropped(item)
+        reclaim = self._storage.drop_item(self._names.format(step), manifest, item)
+        self._catalog.update(step, manifest=manifest)
+        self._reclaim(reclaim)
+
+    def _reclaim(self, work: Callable[[], None] | None) -> None:
+        """Free a deleted step's space off the commit path (the reclaim thread)."""
+        if work is not None and self._reclaimer is not None:
+            self._reclaimer.submit(work)
 
     def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn` (which changes the directory only on the primary), then, with several processes,
@@ -632,9 +527,7 @@ class CheckpointManager:
             finally:
                 self._procs.barrier(f"{barrier}/changed", self._timeout)
                 if not self._procs.primary:
-                    steps = self._scan()
-                    with self._lock:
-                        self._steps = steps
+                    self._catalog.replace(self._scan())
                 # and the primary changes nothing more until everyone has read the directory
                 self._procs.barrier(f"{barrier}/read", self._timeout)
 
@@ -643,7 +536,7 @@ class CheckpointManager:
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""
         if self._closed:
-            raise RuntimeError(f"this manager of {self._root} is closed")
+            raise RuntimeError(f"this manager of {self._where} is closed")
         if self._executor is None:
             return fn()
         return self._executor.submit(fn).result()
@@ -657,7 +550,7 @@ class CheckpointManager:
 
     def check_for_errors(self) -> None:
         """Raise CommitError (once) if a background commit or retention failed since the last call."""
-        with self._lock:
+        with self._errors_lock:
             errors, self._errors = self._errors, []
         if errors:
             what, first = errors[0]
@@ -682,12 +575,9 @@ class CheckpointManager:
             for pool in (self._executor, self._reclaimer):
                 if pool is not None:
                     pool.shutdown(wait=True)
-            if self._dir_lock is not None:
-                self._dir_lock.release()
-            if self._lease is not None:
-                self._lease.release()
-            if self._store is not None:
-                self._local()  # the staging directory and download cache
+            if self._writer:
+                self._storage.release()
+            self._storage.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -708,8 +598,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, sorted (a damaged step is listed too; `restore` tells it apart)."""
-        with self._lock:
-            return sorted(self._steps)
+        return self._catalog.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -744,7 +633,7 @@ class CheckpointManager:
             best = self.best_step()
             if best is None:
                 metric, _ = self._best_rule()
-                raise StepNotFoundError(f"no step in {self._root} has metric {metric!r}")
+                raise StepNotFoundError(f"no step in {self._where} has metric {metric!r}")
             return self._restore_step(best, wanted)
         if step is not None:
             step = as_step(step)
@@ -753,7 +642,7 @@ class CheckpointManager:
             return self._restore_step(step, wanted)
         candidates = self.all_steps()[::-1]
         if not candidates:
-            raise StepNotFoundError(f"no committed step in {self._root}")
+            raise StepNotFoundError(f"no committed step in {self._where}")
         newest_error: CorruptCheckpointError | None = None
         for s in candidates:
             try:
@@ -766,17 +655,16 @@ class CheckpointManager:
                 newest_error = newest_error or e
                 log.warning("cairn: step %d is damaged, falling back to an older step: %s", s, e)
         if newest_error is None:
-            raise StepNotFoundError(f"every step of {self._root} was deleted while being read")
+            raise StepNotFoundError(f"every step of {self._where} was deleted while being read")
         raise CorruptCheckpointError(
-            f"every step in {self._root} is damaged ({candidates}); the newest: {newest_error}"
+            f"every step in {self._where} is damaged ({candidates}); the newest: {newest_error}"
         ) from newest_error
 
     def _restore_step(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
         t0 = time.monotonic()
         restored = self._read_items(step, wanted)
         seconds = time.monotonic() - t0
-        with self._lock:
-            self._restore_telemetry[step] = seconds
+        self._catalog.restored(step, seconds)
         log.info("cairn: restored step %d in %.1f ms", step, seconds * 1e3)
         with contextlib.suppress(Exception):
             self._telemetry.restored(step, seconds)
@@ -818,9 +706,6 @@ class CheckpointManager:
                 )
             if entry.dropped:
                 raise ItemNotFoundError(f"item {name!r} of step {step} was dropped by retention")
-        step_dir = self._root / self._names.format(step)
-        if self._store is not None:
-            step_dir = self._fetch(step, manifest, list(wanted))
         restored = {}
         for name, target in wanted.items():
             entry = manifest.items[name]
@@ -835,7 +720,7 @@ class CheckpointManager:
                     f"item {name!r} of step {step} was written by {entry.handler!r} version "
                     f"{entry.version}; this cairn has version {handler.version}"
                 )
-            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
+            stored = self._stored(step, name, manifest)
             stored.check_files()  # a missing or truncated file fails before any parsing
             try:
                 with writing_as(self._me.index, self._me.count):  # per-process data: this one's
@@ -846,50 +731,38 @@ class CheckpointManager:
                 ) from None
         return restored
 
-    def _fetch(self, step: int, manifest: Manifest, items: list[str]) -> Path:
-        """The local copy of a remote step's items (downloaded on first use)."""
-        assert self._store is not None
-        name = self._names.format(step)
-        try:
-            return _objectstore.fetch(self._store, name, manifest, items, self._root / "cache")
-        except FileNotFoundError as e:
-            if _objectstore.read_manifest(self._store, name) is None:
-                with self._lock:
-                    self._steps.pop(step, None)
-                raise StepNotFoundError(f"step {step} was deleted from {self._where}") from None
-            raise CorruptCheckpointError(f"step {step}: {e} is missing") from None
+    def _stored(self, step: int, name: str, manifest: Manifest) -> StoredItem:
+        """Item `name` of a step, as its handler reads it: its files, from the storage."""
+        files = {f.path: f for f in manifest.items[name].files}
+        source = self._storage.source(self._names.format(step), name)
+        return StoredItem(source, files, step, name)
 
     def _reread_manifest(self, step: int, used: Manifest, items: Iterable[str]) -> bool:
         """Read a step's manifest from disk again after reading `items` with `used`: True if
         one of them changed meanwhile (the writer's per-item retention dropped it), the step's
         record then holding the new manifest; StepNotFoundError if the step was deleted."""
-        name = self._names.format(step)
-        if self._store is not None:
-            data = _objectstore.read_manifest(self._store, name)
-            where = f"{self._where}/{name}"
-            fresh = None if data is None else self._parse_step(step, where, data, None)
-        else:
-            fresh = self._read_step(step, self._root / name)
-            if fresh.manifest is None and not os.path.lexists(self._root / name):
-                fresh = None
+        fresh = self._read_again(step)
         if fresh is None:
-            with self._lock:
-                self._steps.pop(step, None)
             raise StepNotFoundError(f"step {step} was deleted from {self._where} while being read")
         if fresh.manifest is not None and all(
             fresh.manifest.items.get(n) == used.items.get(n) for n in items
         ):
             return False
-        with self._lock:
-            rec = self._steps.get(step)
-            if rec is not None:  # its late metrics stay: they are another file
-                rec.manifest, rec.error = fresh.manifest, fresh.error
+        # Its late metrics stay: they are another file.
+        self._catalog.update(step, manifest=fresh.manifest, error=fresh.error)
         return True
 
-    def _record(self, step: int) -> tuple[_Step, Manifest]:
+    def _read_again(self, step: int) -> StepRecord | None:
+        """A step's record read from the storage now; None (and forgotten) if it is gone."""
+        listed = self._storage.read_step(self._names, step)
+        if listed is None:
+            self._catalog.remove(step)
+            return None
+        return read_record(listed)
+
+    def _record(self, step: int) -> tuple[StepRecord, Manifest]:
         """The step's record and manifest, read once; raises the step's own error if unreadable."""
-        with self._lock:
-            rec = self._steps.get(step)
+        rec = self._catalog.get(step)
         if rec is None:
             raise StepNotFoundError(self._missing(step))
         if rec.manifest is None:
@@ -903,15 +776,13 @@ class CheckpointManager:
     def _missing(self, step: int) -> str:
         steps = self.all_steps()
         shown = steps if len(steps) <= 10 else [*steps[:3], "...", *steps[-5:]]
-        with self._lock:
+        with self._errors_lock:
             failed = any(what == f"the commit of step {step}" for what, _ in self._errors)
         note = "; its background commit failed (see check_for_errors())" if failed else ""
         return f"step {step} is not committed in {self._where} (committed: {shown}){note}"
 
     def _wait_if_inflight(self, step: int) -> None:
-        with self._lock:
-            inflight = step in self._inflight
-        if inflight:
+        if self._catalog.in_flight(step):
             self._drain()
 
     def _drain(self) -> None:
@@ -928,27 +799,20 @@ class CheckpointManager:
         step = as_step(step)
         self._wait_if_inflight(step)
         for _ in range(_REREADS):
-            with self._lock:
-                rec = self._steps.get(step)
-            if rec is None:
+            if self._catalog.get(step) is None:
                 raise StepNotFoundError(self._missing(step))
+            rec = self._read_again(step)  # as it is now, metrics.json included
+            if rec is None:
+                raise StepNotFoundError(f"step {step} was deleted from {self._where}")
+            self._catalog.update(step, manifest=rec.manifest, error=rec.error)
             if rec.manifest is None:
                 return [str(rec.error)]
             manifest = rec.manifest
             live = [n for n, e in manifest.items.items() if not e.dropped]
-            step_dir = self._root / self._names.format(step)
-            if self._store is not None:
-                try:
-                    step_dir = self._fetch(step, manifest, live)
-                except CorruptCheckpointError as e:
-                    if not self._reread_manifest(step, manifest, live):
-                        return [str(e)]
-                    continue
             problems = []
             for name in live:
-                entry = manifest.items[name]
-                stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
-                for record in entry.files:
+                stored = self._stored(step, name, manifest)
+                for record in manifest.items[name].files:
                     try:
                         stored.read_bytes(record.path)
                     except CorruptCheckpointError as e:
@@ -957,12 +821,8 @@ class CheckpointManager:
                         problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
                     if progress is not None:
                         progress(record.size)
-            metrics = step_dir / METRICS
-            if self._store is None and os.path.lexists(metrics):
-                try:
-                    load_checked(read_no_follow(metrics), str(metrics))
-                except (CorruptCheckpointError, OSError) as e:
-                    problems.append(f"step {step}: {e}")
+            if rec.metrics_error is not None:
+                problems.append(f"step {step}: {rec.metrics_error}")
             if not (self._reread_manifest(step, manifest, live) and problems):
                 return problems
         raise CorruptCheckpointError(
@@ -976,17 +836,13 @@ class CheckpointManager:
         step = as_step(step)
         self._wait_if_inflight(step)
         manifest = self._manifest(step)
-        step_dir = self._root / self._names.format(step)
-        live = [n for n, e in manifest.items.items() if not e.dropped]
-        if self._store is not None:
-            step_dir = self._fetch(step, manifest, live)
         out: dict[str, dict[str, Any]] = {}
         for name, entry in manifest.items.items():
             if entry.dropped:
                 out[name] = {"kind": "dropped", "handler": entry.handler}
                 continue
-            stored = StoredItem(step_dir / name, {f.path: f for f in entry.files}, step, name)
             handler = self._handlers.get(name) or handler_by_id(entry.handler)
+            stored = self._stored(step, name, manifest)
             out[name] = {"handler": entry.handler, **handler.describe(stored)}
         return out
 
@@ -994,19 +850,12 @@ class CheckpointManager:
         """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
         step = as_step(step)
         self._wait_if_inflight(step)
-        rec, manifest = self._record(step)
-        with self._lock:
-            metrics = rec.metrics
-            telemetry = {**manifest.telemetry, **self._commit_telemetry.get(step, {})}
-            if step in self._restore_telemetry:
-                telemetry["restore_s"] = self._restore_telemetry[step]
+        _, manifest = self._record(step)
+        metrics = self._catalog.metrics(step)
+        telemetry = {**manifest.telemetry, **self._catalog.telemetry(step)}
         return StepInfo(
             step=step,
-            path=(
-                f"{self._where}/{self._names.format(step)}"
-                if self._store is not None
-                else self._root / self._names.format(step)
-            ),
+            path=self._storage.location(self._names.format(step)),
             started_at=manifest.started_at,
             committed_at=manifest.committed_at,
             items={
@@ -1026,9 +875,8 @@ class CheckpointManager:
         """The metrics of a step: those given to save, updated by record_metrics (later wins)."""
         step = as_step(step)
         self._wait_if_inflight(step)
-        rec, _ = self._record(step)
-        with self._lock:
-            return rec.metrics
+        self._record(step)
+        return self._catalog.metrics(step)
 
     def record_metrics(self, step: Any, metrics: Mapping[str, Any]) -> None:
         """Merge late metrics (say, from an evaluation) into a committed step's ``metrics.json``.
@@ -1039,26 +887,19 @@ class CheckpointManager:
         self._check_writable("record_metrics")
         step = as_step(step)
         new = check_metrics(metrics)
-        with self._lock:
-            if step in self._steps and self._steps[step].foreign:
-                raise ReadOnlyError(
-                    f"step {step} was written by orbax-checkpoint; cairn does not change it"
-                )
+        self._check_not_foreign(step)
 
         def update() -> None:
-            with self._lock:
-                rec = self._steps.get(step)
+            rec = self._catalog.get(step)
             if rec is None:
                 raise StepNotFoundError(self._missing(step))
             if rec.manifest is None:
                 self._manifest(step)  # raises the step's own error
             merged = {**rec.late_metrics, **new}
-            if self._store is not None:
-                _objectstore.write_metrics(self._store, self._names.format(step), merged)
-            elif self._procs.primary:
-                _commit.write_metrics(self._root / self._names.format(step), merged)
-            with self._lock:
-                rec.late_metrics = merged
+            if self._procs.primary:
+                body = dump_checked({"metrics": merged})
+                self._storage.write_metrics(self._names.format(step), body)
+            self._catalog.update(step, late_metrics=merged)
             if self._procs.primary:
                 self._apply_retention()
 
@@ -1067,14 +908,7 @@ class CheckpointManager:
     def best_step(self) -> int | None:
         """The intact step with the best value of the `best=` metric (or the KeepBest one)."""
         metric, mode = self._best_rule()
-        with self._lock:
-            scored = [
-                (s, rec.metrics[metric])
-                for s, rec in self._steps.items()
-                if rec.manifest is not None
-                and metric in rec.metrics
-                and rec.metrics[metric] == rec.metrics[metric]
-            ]
+        scored = self._catalog.scored(metric)
         if not scored:
             return None
         sign = 1.0 if mode == "min" else -1.0
@@ -1098,17 +932,10 @@ class CheckpointManager:
         self._check_writable("delete")
         step = as_step(step)
 
-        with self._lock:
-            foreign = step in self._steps and self._steps[step].foreign
-        if foreign:
-            raise ReadOnlyError(
-                f"step {step} was written by orbax-checkpoint; cairn does not change it"
-            )
+        self._check_not_foreign(step)
 
         def remove() -> None:
-            with self._lock:
-                known = step in self._steps
-            if not known:
+            if self._catalog.get(step) is None:
                 raise StepNotFoundError(self._missing(step))
             if self._procs.primary:
                 self._delete_now(step)
@@ -1117,129 +944,35 @@ class CheckpointManager:
 
     def reload(self) -> None:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
-        steps = self._on_commit_thread(self._scan)
-        with self._lock:
-            self._steps = steps
+        self._catalog.replace(self._on_commit_thread(self._scan))
 
     def _check_writable(self, what: str) -> None:
         if self._read_only:
             raise ReadOnlyError(
-                f"{what}: this manager of {self._root} was opened with read_only=True"
+                f"{what}: this manager of {self._where} was opened with read_only=True"
             )
         if self._closed:
-            raise RuntimeError(f"{what}: this manager of {self._root} is closed")
+            raise RuntimeError(f"{what}: this manager of {self._where} is closed")
 
-    def _scan(self, *, clean: bool = False) -> dict[int, _Step]:
-        """Every committed step on disk, with its manifest or the reason it cannot be read.
-
-        In an object store, a step prefix without a manifest is absent; with `clean` (a writer
-        starting) its objects, left by a writer that died before its commit, are deleted."""
-        if self._store is not None:
-            committed, leftovers = _objectstore.scan(self._store, self._names)
-            if clean:
-                for name in leftovers:
-                    log.info("cairn: removing uncommitted %s/%s", self._where, name)
-                    _objectstore.remove_leftover(self._store, name)
-            return {
-                step: self._parse_step(step, f"{self._where}/{self._names.format(step)}", *data)
-                for step, data in committed.items()
-            }
-        steps: dict[int, _Step] = {}
-        try:
-            entries = list(os.scandir(self._root))
-        except FileNotFoundError:
-            return steps
-        for entry in entries:
-            step = self._names.parse(entry.name)
-            if step is None:
-                continue
-            if entry.is_symlink():  # never followed: it could lead anywhere
-                error = CorruptCheckpointError(
-                    f"step {step} at {entry.path} is a symbolic link; cairn does not follow links "
-                    "to step directories"
-                )
-                steps[step] = _Step(None, error)
-            elif entry.is_dir(follow_symlinks=False):
-                rec = self._read_step(step, Path(entry.path))
-                if rec.manifest is not None or os.path.lexists(entry.path):
-                    steps[step] = rec  # else: deleted (by the writer's retention) while listed
-        return steps
-
-    def _parse_step(
-        self, step: int, path: str, manifest_bytes: bytes, metrics_bytes: bytes | None
-    ) -> _Step:
-        """A remote step from its manifest and metrics.json bytes."""
-        where = f"manifest {path}/{MANIFEST} of step {step}"
-        try:
-            manifest = Manifest.from_bytes(manifest_bytes, where)
-        except (CorruptCheckpointError, UnsupportedFormatError) as e:
-            return _Step(None, e)
-        if manifest.step != step:
-            return _Step(None, CorruptCheckpointError(f"{where} says step {manifest.step}"))
-        late: dict[str, float] = {}
-        if metrics_bytes is not None:
-            try:
-                late = check_metrics(load_checked(metrics_bytes, f"{path}/{METRICS}")["metrics"])
-            except (CorruptCheckpointError, KeyError, TypeError) as e:
-                log.warning("cairn: ignoring unreadable %s/%s: %s", path, METRICS, e)
-        return _Step(manifest, late_metrics=late)
-
-    def _read_step(self, step: int, path: Path) -> _Step:
-        where = f"manifest {path / MANIFEST} of step {step}"
-        try:
-            manifest = Manifest.from_bytes(_read_file(path / MANIFEST, where), where)
-        except FileNotFoundError:
-            try:
-                orbax = _orbax_step(step, path)
-            except FileNotFoundError:  # the step was deleted while being listed
-                orbax = None
-            if orbax is not None:
-                return _Step(orbax, foreign=True)
-            missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
-            return _Step(None, CorruptCheckpointError(missing))
-        except (CorruptCheckpointError, UnsupportedFormatError) as e:
-            return _Step(None, e)
-        if manifest.step != step:
-            error = CorruptCheckpointError(f"{where} says step {manifest.step}")
-            return _Step(None, error)
-        late: dict[str, float] = {}
-        try:
-            data = read_no_follow(path / METRICS)
-            late = check_metrics(load_checked(data, str(path / METRICS))["metrics"])
-        except FileNotFoundError:
-            pass  # no late metrics
-        except (CorruptCheckpointError, KeyError, TypeError, OSError) as e:
-            log.warning(
-                "cairn: ignoring unreadable %s (the manifest's metrics stand): %s",
-                path / METRICS,
-                e,
+    def _check_not_foreign(self, step: int) -> None:
+        if self._catalog.is_foreign(step):
+            raise ReadOnlyError(
+                f"step {step} was written by orbax-checkpoint; cairn does not change it"
             )
-        return _Step(manifest, late_metrics=late)
 
-    def _adopt_if_on_disk(self, step: int) -> None:
-        """After a failed commit, list the step if it is on disk anyway, so all_steps() stays true."""
-        path = self._root / self._names.format(step)
-        if self._store is not None:
-            name = self._names.format(step)
-            data = _objectstore.read_manifest(self._store, name)
-            if data is not None:
-                rec = self._parse_step(step, f"{self._where}/{name}", data, None)
-                with self._lock:
-                    self._steps[step] = rec
-            return
+    def _scan(self) -> dict[int, StepRecord]:
+        """Every committed step, with its manifest or the reason it cannot be read."""
+        return {listed.step: read_record(listed) for listed in self._storage.scan(self._names)}
+
+    def _adopt_if_committed(self, step: int) -> None:
+        """After a failed commit, list the step if it is committed anyway (the commit point
+        passed, a later sync failed), so all_steps() stays true."""
         try:
-            if path.is_dir():
-                rec = self._read_step(step, path)
-                with self._lock:
-                    self._steps[step] = rec
+            listed = self._storage.read_step(self._names, step)
+            if listed is not None:
+                self._catalog.committed(step, read_record(listed))
         except Exception as e:  # never hide the commit's own error behind this one
             log.error("cairn: could not read back step %d after its failed commit: %r", step, e)
-
-    def _newest_intact(self) -> _Step | None:
-        for step in sorted(self._steps, reverse=True):
-            if self._steps[step].manifest is not None:
-                return self._steps[step]
-        return None
 
 
 @contextlib.contextmanager
@@ -1279,253 +1012,8 @@ if _register_before_shutdown is not None:
     _register_before_shutdown(_finish_at_exit)
 
 
-def _orbax_step(step: int, path: Path) -> Manifest | None:
-    """A read-only manifest for a step directory orbax-checkpoint wrote, or None if it is not one.
-
-    Orbax marks a finished step with ``commit_success.txt`` and describes it in
-    ``_CHECKPOINT_METADATA`` (item handlers, metrics, times); older versions only renamed it
-    into place, so a directory whose items Orbax would read counts too.
-
-    The directory is a stranger's: no link in it is followed, an item directory whose name a
-    save would refuse is left out, and metadata that cannot be read or has the wrong types is
-    ignored, field by field, with a warning, so one odd Orbax step never hides the others.
-    """
-    import math
-    import stat
-
-    from cairn.handlers._files import parse_json
-    from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_items, read_metadata
-    from cairn.manager._format import item_name_problem
-
-    where = f"Orbax step {step} at {path}"
-    try:
-        found = orbax_items(path)
-        mtime = os.lstat(path).st_mtime
-    except FileNotFoundError:
-        raise  # deleted while listed
-    except OSError as e:
-        log.warning("cairn: ignoring %s: it cannot be listed: %s", where, e)
-        return None
-    items = {}
-    for name, kind in found.items():
-        problem = item_name_problem(name)
-        if problem is None:
-            items[name] = ItemEntry(kind, 1, ())
-        else:
-            log.warning("cairn: %s: ignoring an item directory: %s", where, problem)
-
-    def read_object(relpath: str) -> dict[str, Any]:
-        """The JSON object in `relpath`; {} if missing, unreadable or not an object."""
-        try:
-            obj = parse_json(read_metadata(path, relpath), str(path / relpath))
-        except FileNotFoundError:
-            return {}
-        except (OSError, CorruptCheckpointError) as e:
-            log.warning("cairn: %s: ignoring its %s: %s", where, relpath, e)
-            return {}
-        if not isinstance(obj, dict):
-            log.warning("cairn: %s: ignoring its %s: not a JSON object", where, relpath)
-            return {}
-        return obj
-
-    meta = read_object(STEP_METADATA)
-    marked = bool(meta)
-    with contextlib.suppress(OSError):  # commit_success.txt: a regular file, not a link to one
-        marked = marked or stat.S_ISREG(os.lstat(path / COMMIT_SUCCESS).st_mode)
-    if not items or not (marked or any(e.handler == "orbax.pytree" for e in items.values())):
-        return None
-    raw = meta.get("metrics")
-    if not isinstance(raw, dict):
-        if raw is not None:
-            log.warning("cairn: %s: ignoring its %s metrics: not an object", where, STEP_METADATA)
-        raw = {}
-    if not raw:
-        raw = read_object("metrics/metrics")
-    metrics: dict[str, float] = {}
-    for key, value in raw.items():
-        try:
-            number = check_metrics({key: value})[key]
-        except TypeError:
-            number = math.nan
-        if math.isfinite(number):
-            metrics[key] = number
-    if len(metrics) < len(raw):
-        ignored = sorted(set(raw) - set(metrics))
-        log.warning("cairn: %s: ignoring metrics that are not finite numbers: %s", where, ignored)
-
-    def seconds(key: str) -> float:
-        """A timestamp in nanoseconds as seconds; the directory's mtime if absent or odd."""
-        value = meta.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
-            return value / 1e9
-        if value is not None:
-            log.warning("cairn: %s: ignoring %s %.40r (not an int of ns)", where, key, value)
-        return mtime
-
-    try:
-        custom = check_metadata(meta.get("custom_metadata") or {})
-    except (TypeError, RecursionError) as e:
-        log.warning("cairn: %s: ignoring its custom_metadata: %s", where, e)
-        custom = {}
-    return Manifest(
-        step=step,
-        items=items,
-        started_at=seconds("init_timestamp_nsecs"),
-        committed_at=seconds("commit_timestamp_nsecs"),
-        metrics=metrics,
-        metadata={"format": "orbax", "custom_metadata": custom},
-    )
-
-
-def _read_file(path: Path, where: str) -> bytes:
-    """A file cairn reads whole from a step (manifest, metrics.json): FileNotFoundError if it is
-    absent, CorruptCheckpointError naming `where` if it is a link, not a regular file, or
-    unreadable."""
-    try:
-        return read_no_follow(path)
-    except FileNotFoundError:
-        raise
-    except (OSError, CorruptCheckpointError) as e:
-        raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
-
-
 def _uses_time(policy: Any) -> bool:
     """Whether a save policy looks at the clock (so processes could disagree)."""
     if isinstance(policy, AnyOf):
         return any(_uses_time(p) for p in policy.policies)
     return not isinstance(policy, (EveryNSteps, AtSteps))
-
-
-def _check_directory(directory: Any) -> Path | str:
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a str or path, got {type(directory).__qualname__}")
-    text = os.fspath(directory)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"directory must be a non-empty path, got {directory!r}")
-    if _objectstore.is_url(text):
-        if not text.startswith(("s3://", "gs://")):
-            raise ValueError(
-                f"directory {text!r}: object stores are s3://bucket/prefix or gs://bucket/prefix"
-            )
-        return text
-    path = Path(text).absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"directory {str(path)!r} exists and is not a directory")
-    return path
-
-
-def _check_keep_items(keep_items: Any) -> dict[str, KeepPolicy]:
-    if keep_items is None:
-        return {}
-    if not isinstance(keep_items, Mapping):
-        raise TypeError(
-            f"keep_items must be a mapping of item name to keep policy, got {keep_items!r}"
-        )
-    for name, policy in keep_items.items():
-        check_item_name(name)
-        if policy_kind(policy) != "keep":
-            raise TypeError(
-                f"keep_items[{name!r}] must be a keep policy (KeepLatest, ...), got {policy!r}"
-            )
-    return dict(keep_items)
-
-
-def _check_handlers(handlers: Any) -> dict[str, Handler]:
-    if handlers is None:
-        return {}
-    if not isinstance(handlers, Mapping):
-        raise TypeError(f"handlers must be a mapping of item name to handler, got {handlers!r}")
-    out = {}
-    for name, handler in handlers.items():
-        check_item_name(name)
-        for attr in ("snapshot", "restore", "describe"):
-            if not callable(getattr(handler, attr, None)):
-                raise TypeError(f"handlers[{name!r}] = {handler!r} has no {attr}() method")
-        if not isinstance(getattr(handler, "id", None), str) or not isinstance(
-            getattr(handler, "version", None), int
-        ):
-            raise TypeError(
-                f"handlers[{name!r}] = {handler!r} needs a str `id` and an int `version`"
-            )
-        out[name] = handler
-    return out
-
-
-def _check_best(best: Any) -> tuple[str, Literal["min", "max"]] | None:
-    if best is None:
-        return None
-    if (
-        not isinstance(best, tuple)
-        or len(best) != 2
-        or not isinstance(best[0], str)
-        or not best[0]
-        or best[1] not in ("min", "max")
-    ):
-        raise ValueError(f"best must be (metric, 'min' | 'max'), got {best!r}")
-    return best[0], best[1]
-
-
-class _DirectoryLock:
-    """An advisory flock on ``<root>/.cairn.lock``, held while a writable manager is open.
-
-    The lock belongs to the open file description, which a forked child would share; children
-    close their copy at fork time, so a fork-started worker never keeps the directory locked.
-    A manager dropped without close() releases it when garbage-collected.
-    """
-
-    _held: ClassVar[weakref.WeakSet[_DirectoryLock]] = weakref.WeakSet()
-
-    def __init__(self, root: Path) -> None:
-        path = root / LOCK
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:  # never through a link, never a FIFO or device: the pid is written into this file
-            fd = os.open(path, flags, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpointError(
-                    f"{path} is a symbolic link; cairn never follows it (it would overwrite the "
-                    "link's target). Remove it and try again"
-                ) from None
-            if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
-                raise CorruptCheckpointError(
-                    f"{path} is not a regular file ({e.strerror}); remove it and try again"
-                ) from None
-            raise
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise CorruptCheckpointError(
-                f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
-            )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            who = (
-                "this process (a manager not closed?)"
-                if holder == str(os.getpid())
-                else f"pid {holder}"
-            )
-            raise DirectoryLockedError(
-                f"{root} is held by another writable CheckpointManager in {who}; "
-                "open it with read_only=True to read alongside"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd: int | None = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
-        _DirectoryLock._held.add(self)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            self._fd = None
-            self._finalizer()  # closes the descriptor once
-
-    @classmethod
-    def _forget_in_child(cls) -> None:
-        for lock in list(cls._held):
-            lock.release()
-
-
-os.register_at_fork(after_in_child=_DirectoryLock._forget_in_child)

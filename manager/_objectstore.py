@@ -1,18 +1,20 @@
-"""Checkpoint directories in object stores (``s3://bucket/prefix``, ``gs://bucket/prefix``).
+"""Checkpoint directories in key-value stores: ``s3://bucket/prefix``, ``gs://bucket/prefix``, and
+``memory://name`` (TensorStore's in-memory kvstore, shared within the process, for tests).
 
-Everything goes through TensorStore's kvstore API: it is already what writes arrays, it speaks
-S3 and GCS with the standard credentials, and it offers the one primitive the commit needs, a
-conditional write (``If-None-Match`` / ``If-Match``), so two writers racing to commit one step
-cannot both win. Object stores have no rename, so the protocol of DESIGN.md applies: a step's data
-objects first, then its manifest, written last; a prefix without a manifest does not exist for any
+Everything goes through TensorStore's kvstore API: it speaks S3 and GCS with the standard
+credentials, and it offers the one primitive the commit needs, a conditional write
+(``If-None-Match`` / ``If-Match``), so two writers racing to commit one step cannot both win.
+Object stores have no rename, so the protocol of DESIGN.md applies: a step's data objects
+first, then its manifest, written last; a prefix without a manifest does not exist for any
 reader. The manifest's key is claimed first (a claim object, created only if absent) and the
 manifest replaces exactly that claim (If-Match), so a writer whose claim was removed meanwhile,
 say by a writer that took its expired lease over, commits nothing. Deletion removes the manifest
 first, then the data.
 
-Handlers keep writing into a local directory: a save is written into a local staging directory
-and uploaded by the commit thread; a restore downloads the step's files into a local cache and
-reads them from there, with the usual checksums.
+Handlers write their files straight to the store (`_KvDestination`: one PUT per file, from the
+snapshot's memory, as many in flight as the handler's writer threads) and restores read only the
+files (byte ranges) a handler asks for (`_KvSource`); nothing is staged on local disk, except the
+files of a handler that writes through a path (`Destination.local_directory`).
 """
 
 from __future__ import annotations
@@ -23,17 +25,26 @@ import json
 import os
 import shutil
 import socket
+import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers.errors import DirectoryLockedError, StepAlreadyExistsError
-from cairn.manager._commit import SaveJob, build_manifest, write_items
-from cairn.manager._format import MANIFEST, METRICS, Manifest, StepNames, dump_checked
+from cairn.handlers import Destination, FileRecord, Source
+from cairn.handlers.errors import (
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    StepAlreadyExistsError,
+)
+from cairn.handlers.io import check_relative
+from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
+from cairn.manager._storage import Listed, Reclaim
 
-LEASE = ".cairn.lock"
+LEASE = LOCK
 LEASE_SECONDS = 3600.0  # read when a lease is taken (the tests shorten it)
 CLAIM = ".claim"  # delete_step's mark, before the manifest goes; older writers' claim too
 _CLAIM_TAG = b'{"cairn_claim": '  # how a claim at a manifest's key begins; a manifest never does
@@ -63,8 +74,16 @@ class StorageOptions:
         return cls(**dict(options))
 
 
-def is_url(text: str) -> bool:
-    return "://" in text
+_MEMORY: list[Any] = []
+_MEMORY_LOCK = threading.Lock()
+
+
+def _memory_context(ts: Any) -> Any:
+    """The TensorStore context whose in-memory kvstore every ``memory://`` directory shares."""
+    with _MEMORY_LOCK:
+        if not _MEMORY:
+            _MEMORY.append(ts.Context())
+        return _MEMORY[0]
 
 
 def _successor(prefix: str) -> str:
@@ -80,17 +99,16 @@ class ObjectStore:
     """
 
     def __init__(self, url: str, options: StorageOptions) -> None:
+        import tensorstore as ts
+
         scheme, _, rest = url.partition("://")
         bucket, _, path = rest.partition("/")
-        if scheme not in ("s3", "gs") or not bucket:
-            raise ValueError(
-                f"directory {url!r}: object stores are s3://bucket/prefix or gs://bucket/prefix"
-            )
         path = path.strip("/")
         self.url = f"{scheme}://{bucket}/{path}" if path else f"{scheme}://{bucket}"
-        spec: dict[str, Any] = {"bucket": bucket, "path": f"{path}/" if path else ""}
+        spec: dict[str, Any] = {"path": f"{path}/" if path else ""}
+        context = None
         if scheme == "s3":
-            spec["driver"] = "s3"
+            spec.update(driver="s3", bucket=bucket)
             endpoint = options.endpoint or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
                 spec["endpoint"] = endpoint
@@ -102,13 +120,22 @@ class ObjectStore:
             )
             if os.environ.get("AWS_ACCESS_KEY_ID"):
                 spec["aws_credentials"] = {"type": "environment"}
+        elif scheme == "gs":
+            if options.region is not None or options.endpoint is not None:
+                raise ValueError(
+                    f"storage_options {dataclasses.asdict(options)!r}: for gs:// the endpoint "
+                    "comes from TENSORSTORE_GCS_HTTP_URL and there is no region"
+                )
+            spec.update(driver="gcs", bucket=bucket)
+        elif scheme == "memory":  # one store per name, shared by every manager of the process
+            spec["driver"] = "memory"
+            spec["path"] = f"{bucket}/{spec['path']}"
+            context = _memory_context(ts)
         else:
-            spec["driver"] = "gcs"
-        import tensorstore as ts
-
+            raise ValueError(f"directory {url!r}: unknown scheme {scheme!r}")
         self._ts = ts
         self._spec = spec
-        self._kv = ts.KvStore.open(spec).result()
+        self._kv = ts.KvStore.open(spec, context=context).result()
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
@@ -161,33 +188,13 @@ class ObjectStore:
         """Delete every key k with start <= k < stop."""
         self._kv.delete_range(self._ts.KvStore.KeyRange(start, stop)).result()
 
-    def upload_tree(self, local: Path, prefix: str, skip: Iterable[str] = ()) -> int:
-        """Upload every file under `local` to `prefix` + its relative path; returns the bytes."""
-        skipped, total, futures = set(skip), 0, []
-        for path in sorted(p for p in local.rglob("*") if p.is_file()):
-            rel = path.relative_to(local).as_posix()
-            if rel in skipped:
-                continue
-            data = path.read_bytes()
-            total += len(data)
-            futures.append(self._kv.write(prefix + rel, data))
-        for future in futures:
-            future.result()
-        return total
-
-    def download(self, keys: Mapping[str, Path]) -> None:
-        """Download each key to its local path (parents created); FileNotFoundError if one is
-        missing."""
-        futures = {key: self._kv.read(key) for key in keys}
-        for key, future in futures.items():
-            result = future.result()
-            if result.state != "value":
-                raise FileNotFoundError(f"{self.url}/{key}")
-            target = keys[key]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.part")
-            partial.write_bytes(bytes(result.value))
-            os.replace(partial, target)  # a cached file is always a whole download
+    def read_prefix(self, key: str, size: int) -> bytes | None:
+        """The first `size` bytes of an object (one ranged GET), or None if it does not exist;
+        ValueError if it is shorter."""
+        result = self._kv.read(key, byte_range=slice(0, size)).result()
+        if result.state != "value":
+            return None
+        return bytes(result.value)
 
 
 def _dead_here(owner: str) -> bool:
@@ -309,137 +316,282 @@ def _take_and_remove(store: ObjectStore, name: str, generation: Any) -> bool:
     return True
 
 
-def remove_leftover(store: ObjectStore, name: str) -> None:
-    """A starting writer removes a prefix that a cairn writer claimed and never committed (it
-    died, or lost its lease); a step committed meanwhile stays."""
-    data, generation = store.read_with_generation(f"{name}/{MANIFEST}")
-    if data is None or data.startswith(_CLAIM_TAG):
-        _take_and_remove(store, name, generation)
+class KvStorage:
+    """A checkpoint directory in a key-value store (see the module docstring).
 
-
-def commit_step(
-    store: ObjectStore, staging: Path, names: StepNames, job: SaveJob, lease: Lease | None = None
-) -> Manifest:
-    """Write one step into the object store; the manifest, written last, is the commit. On any
-    failure no manifest exists, so nothing is visible.
-
-    The order: check the lease; claim the step (a claim object created at the manifest's key only
-    if absent, so a second writer racing for the same step stops before it uploads anything);
-    write the items into a local staging directory and upload them; check the lease again (a
-    writer whose lease was taken over meanwhile stops here); replace the claim with the manifest
-    only if the claim is still the one we wrote (If-Match: a claim that another writer removed,
-    say one that took our expired lease over and cleaned up at its start, fails the write
-    atomically, even if that happened after the check); refresh the lease.
+    Keys are relative to the directory's prefix ("checkpoint_5/_CHECKPOINT.json"). Threads:
+    TensorStore's kvstore is thread-safe; the manager calls this from its caller and commit
+    threads. Single-process writers in this version (multi-process saves are issue 19).
     """
-    t0 = time.monotonic()
-    final = names.format(job.step)
-    if lease is not None:
-        lease.check()
-    claim = store.create(f"{final}/{MANIFEST}", _claim("saving"))
-    if claim is None:
-        raise StepAlreadyExistsError(
-            f"step {job.step}: {store.url}/{final} is committed or being committed by another writer"
-        )
-    tmp = staging / names.temporary(job.step)
-    tmp.mkdir(parents=True)
-    try:
-        manifest = build_manifest(job, write_items(tmp, job), time.monotonic() - t0)
-        store.upload_tree(tmp, f"{final}/")
+
+    multi_process = False
+
+    def __init__(self, url: str, options: StorageOptions) -> None:
+        self.store = ObjectStore(url, options)
+        self.url = self.directory = self.store.url
+        self.lease: Lease | None = None
+        self._local: Path | None = None  # staging of path-writing handlers, downloads
+        self._local_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"KvStorage({self.url!r})"
+
+    def location(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def acquire(self) -> None:
+        self.lease = Lease(self.store)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    def check_writer(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def local_dir(self) -> Path:
+        """A local scratch directory, made on first use and removed by `close`."""
+        with self._local_lock:
+            if self._local is None:
+                self._local = Path(tempfile.mkdtemp(prefix="cairn-local-"))
+                weakref.finalize(self, shutil.rmtree, self._local, True)
+            return self._local
+
+    def close(self) -> None:
+        with self._local_lock:
+            if self._local is not None:
+                shutil.rmtree(self._local, ignore_errors=True)
+                self._local = None
+
+    # ------------------------------------------------------------------ listing and reading
+
+    def scan(self, names: StepNames) -> list[Listed]:
+        """Committed steps: prefixes with a manifest (one LIST of the directory, then one GET
+        per step's manifest and metrics)."""
+        return [listed for listed, _ in self._scan(names) if listed is not None]
+
+    def _scan(self, names: StepNames) -> list[tuple[Listed | None, str]]:
+        """(the step, or None for a prefix a cairn writer claimed and never committed, its
+        name) for every step prefix."""
+        by_step: dict[int, set[str]] = {}
+        for key in self.store.list_keys():
+            head, sep, rest = key.partition("/")
+            step = names.parse(head)
+            if step is not None and sep:
+                by_step.setdefault(step, set()).add(rest)
+        found: list[tuple[Listed | None, str]] = []
+        for step, rests in sorted(by_step.items()):
+            name = names.format(step)
+            manifest = read_manifest(self.store, name) if MANIFEST in rests else None
+            if manifest is None:
+                # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say,
+                # an Orbax step) is not ours to delete, and not a step we can read.
+                if MANIFEST in rests or CLAIM in rests:
+                    found.append((None, name))
+                continue
+            metrics = self.store.read(f"{name}/{METRICS}") if METRICS in rests else None
+            found.append((Listed(step, self.location(name), manifest, metrics=metrics), name))
+        return found
+
+    def read_step(self, names: StepNames, step: int) -> Listed | None:
+        name = names.format(step)
+        manifest = read_manifest(self.store, name)
+        if manifest is None:
+            return None
+        metrics = self.store.read(f"{name}/{METRICS}")
+        return Listed(step, self.location(name), manifest, metrics=metrics)
+
+    def source(self, name: str, item: str) -> Source:
+        return _KvSource(self, f"{name}/{item}/")
+
+    # ------------------------------------------------------------------ writing
+
+    def clean_leftovers(self, names: StepNames) -> list[str]:
+        """Prefixes that a cairn writer claimed and never committed (it died, or lost its
+        lease); a step committed meanwhile stays."""
+        removed = []
+        for listed, name in self._scan(names):
+            if listed is None:
+                data, generation = self.store.read_with_generation(f"{name}/{MANIFEST}")
+                if (data is None or data.startswith(_CLAIM_TAG)) and _take_and_remove(
+                    self.store, name, generation
+                ):
+                    removed.append(name)
+        return removed
+
+    def prepare(
+        self, name: str, tmp_name: str, items: Iterable[str], *, create: bool
+    ) -> _KvPrepared:
+        """Claim the step: a claim object created at the manifest's key only if absent, so a
+        second writer racing for the same step stops before it uploads anything."""
+        del tmp_name, items  # no temporary name: the prefix is invisible until the manifest
+        assert create, "object stores are single-process in this version"
+        self.check_writer()
+        claim = self.store.create(f"{name}/{MANIFEST}", _claim("saving"))
+        if claim is None:
+            raise StepAlreadyExistsError(
+                f"{self.url}/{name} is committed or being committed by another writer"
+            )
+        return _KvPrepared(self, name, claim)
+
+    def delete_step(self, name: str) -> Reclaim | None:
+        """A claim first (so that a crash part-way leaves a prefix the next writer knows as
+        cairn's and removes), then the manifest (from then on it is no step), then the rest."""
+        self.check_writer()
+        self.store.write(f"{name}/{CLAIM}", b"deleting")
+        self.store.delete(f"{name}/{MANIFEST}")
+        self.store.delete_prefix(f"{name}/")
+        return None
+
+    def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
+        """The manifest that marks the item dropped replaces the old one (one object, replaced
+        atomically), then the item's objects are deleted."""
+        self.check_writer()
+        self.store.write(f"{name}/{MANIFEST}", manifest.to_bytes())
+        self.store.delete_prefix(f"{name}/{item}/")
+        return None
+
+    def remove_dropped(self, steps: Mapping[str, Manifest]) -> None:
+        keys = self.store.list_keys() if steps else []
+        for name, manifest in steps.items():
+            for item, entry in manifest.items.items():
+                prefix = f"{name}/{item}/"
+                if entry.dropped and any(k.startswith(prefix) for k in keys):
+                    self.store.delete_prefix(prefix)
+
+    def write_metrics(self, name: str, body: bytes) -> None:
+        self.check_writer()
+        self.store.write(f"{name}/{METRICS}", body)
+
+
+class _KvPrepared:
+    """A claimed step prefix being written; the manifest, replacing the claim, is the commit."""
+
+    def __init__(self, storage: KvStorage, name: str, claim: Any) -> None:
+        self._storage, self._store, self._name, self._claim = storage, storage.store, name, claim
+        self._staging: Path | None = None
+
+    def destination(self, item: str) -> Destination:
+        return _KvDestination(self._storage, f"{self._name}/{item}/", self._stage)
+
+    def _stage(self) -> Path:
+        if self._staging is None:
+            self._staging = Path(tempfile.mkdtemp(prefix="stage-", dir=self._storage.local_dir()))
+        return self._staging
+
+    def write_file(self, relpath: str, data: bytes) -> None:
+        self._store.write(f"{self._name}/{relpath}", data)
+
+    def read_file(self, relpath: str) -> bytes:
+        data = self._store.read(f"{self._name}/{relpath}")
+        if data is None:
+            raise FileNotFoundError(f"{self._storage.url}/{self._name}/{relpath}")
+        return data
+
+    def remove_file(self, relpath: str) -> None:
+        self._store.delete(f"{self._name}/{relpath}")
+
+    def sync(self) -> None:
+        """Every PUT is durable once it returned."""
+
+    def commit(self, manifest: Manifest) -> None:
+        """Check the lease (a writer whose lease was taken over meanwhile stops here); replace
+        the claim with the manifest only if the claim is still the one we wrote (If-Match: a
+        claim that another writer removed, say one that took our expired lease over and
+        cleaned up at its start, fails the write atomically, even after the check); refresh
+        the lease."""
+        self._drop_staging()
+        lease = self._storage.lease
         if lease is not None:
             lease.check()
-        if store.write(f"{final}/{MANIFEST}", manifest.to_bytes(), if_generation=claim) is None:
+        key = f"{self._name}/{MANIFEST}"
+        if self._store.write(key, manifest.to_bytes(), if_generation=self._claim) is None:
             if lease is not None:
                 lease.check()  # the likely cause, and the clearer message
             raise DirectoryLockedError(
-                f"step {job.step}: the claim {store.url}/{final}/{MANIFEST} was removed or "
+                f"step {manifest.step}: the claim {self._storage.url}/{key} was removed or "
                 "replaced by another writer while the step was being written; nothing was "
                 "committed (is another writer using this directory?)"
             )
-    except BaseException:
-        _take_and_remove(store, final, claim)  # only while the claim is still ours
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if lease is not None:
-        # Lost since the last check: this step is whole (its claim was intact at the commit) and
-        # stays committed; the error stops every later commit.
-        lease.refresh()
-    return manifest
+        if lease is not None:
+            # Lost since the last check: this step is whole (its claim was intact at the commit)
+            # and stays committed; the error stops every later commit.
+            lease.refresh()
+
+    def abort(self) -> None:
+        self._drop_staging()
+        _take_and_remove(self._store, self._name, self._claim)  # only while the claim is ours
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
 
-def scan(
-    store: ObjectStore, names: StepNames
-) -> tuple[dict[int, tuple[bytes, bytes | None]], list[str]]:
-    """Committed steps (manifest bytes, metrics.json bytes or None) and the prefixes a cairn
-    writer claimed but never committed (it died, or lost its lease, before the commit); a
-    writer removes those with `remove_leftover`."""
-    by_step: dict[int, set[str]] = {}
-    for key in store.list_keys():
-        head, sep, rest = key.partition("/")
-        step = names.parse(head)
-        if step is not None and sep:
-            by_step.setdefault(step, set()).add(rest)
-    committed, leftovers = {}, []
-    for step, rests in sorted(by_step.items()):
-        name = names.format(step)
-        manifest = read_manifest(store, name) if MANIFEST in rests else None
-        if manifest is None:
-            # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say, an
-            # Orbax step) is not ours to delete, and not a step we can read.
-            if MANIFEST in rests or CLAIM in rests:
-                leftovers.append(name)
-            continue
-        metrics = store.read(f"{name}/{METRICS}") if METRICS in rests else None
-        committed[step] = (manifest, metrics)
-    return committed, leftovers
+class _KvDestination(Destination):
+    """An item's prefix in the store: each file one PUT, straight from the handler's buffers
+    (joined into one bytes object, which TensorStore's write takes)."""
+
+    def __init__(self, storage: KvStorage, prefix: str, staging: Any) -> None:
+        super().__init__()
+        self._storage, self._prefix, self._staging = storage, prefix, staging
+        self._local: Path | None = None
+
+    def describe(self, relpath: str) -> str:
+        return f"{self._storage.url}/{self._prefix}{relpath}"
+
+    def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+        data = pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+        self._storage.store.write(self._prefix + relpath, data)
+
+    def local_directory(self) -> Path:
+        if self._local is None:
+            self._local = self._staging() / self._prefix
+            self._local.mkdir(parents=True, exist_ok=True)
+        return self._local
+
+    def _upload_staged(self, path: Path, record: FileRecord) -> None:
+        self._storage.store.write(self._prefix + record.path, path.read_bytes())
 
 
-def remove_dropped(store: ObjectStore, dropped: Mapping[str, Iterable[str]]) -> None:
-    """Delete the objects of items that manifests mark dropped (a crash in `drop_item` left
-    them); `dropped` maps a step name to its dropped items."""
-    keys = store.list_keys()
-    for name, items in dropped.items():
-        for item in items:
-            prefix = f"{name}/{item}/"
-            if any(k.startswith(prefix) for k in keys):
-                store.delete_prefix(prefix)
+class _KvSource(Source):
+    """An item's prefix in the store, read a file (one ranged GET) at a time."""
 
+    cheap_size = False
 
-def delete_step(store: ObjectStore, name: str) -> None:
-    """Retire a step: a claim first (so that a crash part-way leaves a prefix the next writer
-    knows as cairn's and removes), then the manifest (from then on it is no step), then the rest."""
-    store.write(f"{name}/{CLAIM}", b"deleting")
-    store.delete(f"{name}/{MANIFEST}")
-    store.delete_prefix(f"{name}/")
+    def __init__(self, storage: KvStorage, prefix: str) -> None:
+        self._storage, self._prefix = storage, prefix
 
+    def describe(self, relpath: str) -> str:
+        return f"{self._storage.url}/{self._prefix}{relpath}"
 
-def drop_item(store: ObjectStore, name: str, manifest: Manifest, item: str) -> Manifest:
-    """Per-item retention: a manifest that marks the item dropped replaces the old one (one
-    object, replaced atomically), then the item's objects are deleted."""
-    entry = manifest.items[item]
-    items = {**manifest.items, item: dataclasses.replace(entry, dropped=True, files=())}
-    new = dataclasses.replace(manifest, items=items)
-    store.write(f"{name}/{MANIFEST}", new.to_bytes())
-    store.delete_prefix(f"{name}/{item}/")
-    return new
+    def size(self, relpath: str) -> int:
+        data = self._storage.store.read(self._prefix + relpath)  # no HEAD in the kvstore API
+        if data is None:
+            raise FileNotFoundError(self.describe(relpath))
+        return len(data)
 
+    def read(self, relpath: str, size: int) -> bytes:
+        try:
+            data = self._storage.store.read_prefix(self._prefix + relpath, size)
+        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} is shorter than the manifest says ({size} bytes): {e}"
+            ) from None
+        if data is None:
+            raise FileNotFoundError(self.describe(relpath))
+        return data
 
-def write_metrics(store: ObjectStore, name: str, metrics: Mapping[str, float]) -> None:
-    store.write(f"{name}/{METRICS}", dump_checked({"metrics": dict(metrics)}))
-
-
-def fetch(
-    store: ObjectStore, name: str, manifest: Manifest, items: Iterable[str], cache: Path
-) -> Path:
-    """A local copy of the items' files of a committed step (downloaded once per manager);
-    returns the local step directory. Checksums are verified when the handlers read."""
-    local = cache / f"{name}-{manifest.committed_at!r}"  # a step saved again is another copy
-    wanted = {}
-    for item in items:
-        for record in manifest.items[item].files:
-            target = local / item / record.path
-            if not target.exists():
-                wanted[f"{name}/{item}/{record.path}"] = target
-    if wanted:
-        store.download(wanted)
-    return local
+    def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
+        """A download of `relpaths` into a fresh local directory (removed at close)."""
+        local = Path(tempfile.mkdtemp(prefix="download-", dir=self._storage.local_dir()))
+        for relpath in relpaths:
+            check_relative(relpath)
+            data = self._storage.store.read(self._prefix + relpath)
+            if data is None:
+                raise FileNotFoundError(self.describe(relpath))
+            target = local / relpath
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        return local

@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers import FileRecord, StoredItem, register, write_file
-from cairn.handlers._files import hash_file, open_regular
+from cairn.handlers import Destination, FileRecord, StoredItem, register
+from cairn.handlers._files import open_regular
 from cairn.handlers._iterators import _decode_value, _encode, has_state_methods
 from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError, UnsupportedFormatError
+from cairn.handlers.io import as_destination
 from cairn.manager._format import trash_name
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import check_item_name
@@ -305,7 +306,8 @@ class _Written:
     def __init__(self, name: str, data: Any = None, staged: pathlib.Path | None = None) -> None:
         self._name, self._data, self._staged = name, data, staged
 
-    def write(self, directory: pathlib.Path) -> Sequence[FileRecord]:
+    def write(self, dest: Destination | pathlib.Path) -> Sequence[FileRecord]:
+        dest = as_destination(dest)
         target = f"{self._name}{PARAMFILE_EXT}"
         if self._staged is None:
             data = self._data
@@ -315,16 +317,16 @@ class _Written:
                 buffer = io.BytesIO()
                 torch.save(data, buffer)
                 data = buffer.getvalue()
-            return [write_file(directory, target, data)]
+            return [dest.write_file(target, data)]
+        # A hook's own file (or directory): moved into the item's local directory, hashed and
+        # (for an object store) uploaded by the destination.
+        directory = dest.local_directory()
         os.replace(self._staged, directory / target)
         with contextlib.suppress(OSError):
             self._staged.parent.rmdir()  # the hook's own staging directory, now empty
         path = directory / target
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return [  # a hook's own file: its hash can only be computed by reading it back
-            FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size, xxh3_128=hash_file(p))
-            for p in files
-        ]
+        return [FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size) for p in files]
 
 
 class _RecoverableHandler:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from cairn.handlers import Handler
 from cairn.manager._format import item_name_problem
+from cairn.manager._policies import KeepPolicy, policy_kind
 
 
 def as_step(step: Any, *, argument: str = "step") -> int:
@@ -48,3 +50,72 @@ def check_items(items: Any, *, argument: str = "items") -> dict[str, Any]:
             f"got {type(items).__qualname__}"
         )
     return {check_item_name(name): obj for name, obj in items.items()}
+
+
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_max_pending(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_pending must be a positive int, got {value!r}")
+    return value
+
+
+def check_barrier_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"barrier_timeout must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_keep_items(keep_items: Any) -> dict[str, KeepPolicy]:
+    if keep_items is None:
+        return {}
+    if not isinstance(keep_items, Mapping):
+        raise TypeError(
+            f"keep_items must be a mapping of item name to keep policy, got {keep_items!r}"
+        )
+    for name, policy in keep_items.items():
+        check_item_name(name)
+        if policy_kind(policy) != "keep":
+            raise TypeError(
+                f"keep_items[{name!r}] must be a keep policy (KeepLatest, ...), got {policy!r}"
+            )
+    return dict(keep_items)
+
+
+def check_handlers(handlers: Any) -> dict[str, Handler]:
+    if handlers is None:
+        return {}
+    if not isinstance(handlers, Mapping):
+        raise TypeError(f"handlers must be a mapping of item name to handler, got {handlers!r}")
+    out = {}
+    for name, handler in handlers.items():
+        check_item_name(name)
+        for attr in ("snapshot", "restore", "describe"):
+            if not callable(getattr(handler, attr, None)):
+                raise TypeError(f"handlers[{name!r}] = {handler!r} has no {attr}() method")
+        if not isinstance(getattr(handler, "id", None), str) or not isinstance(
+            getattr(handler, "version", None), int
+        ):
+            raise TypeError(
+                f"handlers[{name!r}] = {handler!r} needs a str `id` and an int `version`"
+            )
+        out[name] = handler
+    return out
+
+
+def check_best(best: Any) -> tuple[str, Literal["min", "max"]] | None:
+    if best is None:
+        return None
+    if (
+        not isinstance(best, tuple)
+        or len(best) != 2
+        or not isinstance(best[0], str)
+        or not best[0]
+        or best[1] not in ("min", "max")
+    ):
+        raise ValueError(f"best must be (metric, 'min' | 'max'), got {best!r}")
+    return best[0], best[1]

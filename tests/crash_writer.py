@@ -44,24 +44,25 @@ def expected_data(step: int) -> Shuffled:
 def _phases() -> dict[str, tuple[Any, str, str, Callable[..., bool]]]:
     """PHASE -> (owner, attribute, "before"|"after", which calls count)."""
     from cairn.handlers import _files
-    from cairn.manager import _commit
+    from cairn.manager import _posix
 
     def every(*args: Any) -> bool:
         return True
 
+    storage = _posix.PosixStorage
     return {
-        "file-written": (_files.ChecksummedFile, "close", "after", every),
-        "manifest-written": (_commit, "fsync_tree", "before", every),
-        "durable-not-renamed": (_commit, "fsync_tree", "after", every),
-        "after-a-rename": (_commit, "fsync_dir", "before", every),
-        "metrics-before": (_commit, "write_metrics", "before", every),
-        "metrics-after": (_commit, "write_metrics", "after", every),
-        "drop-item-before": (_commit, "drop_item", "before", every),
-        "drop-item-between": (_commit, "trash_name", "before", lambda n: n.endswith("-data")),
-        "drop-item-after": (_commit, "drop_item", "after", every),
-        "delete-before": (_commit, "delete_step", "before", every),
-        "delete-after": (_commit, "delete_step", "after", every),
-        "reclaim": (_commit, "remove_trash", "before", every),
+        "file-written": (_files.LocalDestination, "_put", "after", every),
+        "manifest-written": (_posix, "fsync_tree", "before", every),
+        "durable-not-renamed": (_posix, "fsync_tree", "after", every),
+        "after-a-rename": (_posix, "fsync_dir", "before", every),
+        "metrics-before": (storage, "write_metrics", "before", every),
+        "metrics-after": (storage, "write_metrics", "after", every),
+        "drop-item-before": (storage, "drop_item", "before", every),
+        "drop-item-between": (_posix, "trash_name", "before", lambda n: n.endswith("-data")),
+        "drop-item-after": (storage, "drop_item", "after", every),
+        "delete-before": (storage, "delete_step", "before", every),
+        "delete-after": (storage, "delete_step", "after", every),
+        "reclaim": (_posix, "_remove_trash", "before", every),
     }
 
 
@@ -98,20 +99,14 @@ def arm_kill(phase: str, nth: int) -> Callable[[], None]:
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if when == "before":
-            hit(args[1:] if owner is not _commit_module() else args)
+            hit(args[1:] if isinstance(owner, type) else args)  # a method: skip self
         out = real(*args, **kwargs)
         if when == "after":
-            hit(args[1:] if owner is not _commit_module() else args)
+            hit(args[1:] if isinstance(owner, type) else args)
         return out
 
     setattr(owner, attr, wrapper)
     return lambda: state.update(armed=True)
-
-
-def _commit_module() -> Any:
-    from cairn.manager import _commit
-
-    return _commit
 
 
 def eval_metric(step: int) -> float:

@@ -23,7 +23,7 @@ from cairn.manager import (
     KeepLatest,
     MismatchError,
     StepNotFoundError,
-    _commit,
+    _posix,
 )
 
 
@@ -65,7 +65,7 @@ def test_failed_open_releases_the_lock(tmp_path: Path, monkeypatch: pytest.Monke
     def broken(*args: Any) -> None:
         raise OSError("cleanup failed")
 
-    monkeypatch.setattr(_commit, "clean_leftovers", broken)
+    monkeypatch.setattr(_posix.PosixStorage, "clean_leftovers", broken)
     with pytest.raises(OSError, match="cleanup failed"):
         CheckpointManager(tmp_path)
     monkeypatch.undo()

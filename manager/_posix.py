@@ -1,0 +1,410 @@
+"""A checkpoint directory on a POSIX filesystem: the commit is one rename.
+
+A step is written into ``<name>.tmp-<hex>`` beside the steps, made durable, and renamed to its
+final name; a step is retired by renaming it to ``.trash-*`` first. A crash at any point leaves
+either no step or a whole one, plus leftovers the next writer removes. One writer per directory
+across processes, through an advisory lock on ``.cairn.lock``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import sys
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import ClassVar
+
+from cairn.handlers import Destination, LocalDestination, LocalSource, Source, write_file
+from cairn.handlers.errors import (
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    ReadOnlyError,
+    StepAlreadyExistsError,
+)
+from cairn.handlers.io import fsync_dir, read_no_follow, within
+from cairn.manager._format import (
+    LOCK,
+    MANIFEST,
+    METRICS,
+    TRASH_PREFIX,
+    Manifest,
+    StepNames,
+    trash_name,
+)
+from cairn.manager._orbax_steps import orbax_step
+from cairn.manager._storage import Listed, Reclaim
+
+log = logging.getLogger("cairn")
+
+
+class PosixStorage:
+    """A local (or shared, for multi-host) directory. See the module docstring.
+
+    Threads: the caller thread lists and reads, the commit thread changes; every change is a
+    rename or a replacement of one file, so a listing never sees half of one.
+    """
+
+    multi_process = True  # on a filesystem every host mounts
+
+    def __init__(self, root: Path) -> None:
+        self.root = self.directory = root
+        self.url = str(root)
+        self._lock: _DirectoryLock | None = None
+
+    def __repr__(self) -> str:
+        return f"PosixStorage({self.url!r})"
+
+    def location(self, name: str) -> Path:
+        return self.root / name
+
+    def acquire(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock = _DirectoryLock(self.root)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise ReadOnlyError(
+                f"{self.root} cannot be written ({e.strerror}); open it with "
+                "read_only=True to read its checkpoints"
+            ) from e
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def check_writer(self) -> None:
+        """The lock is held until released: nothing can take it away."""
+
+    def close(self) -> None:
+        """Nothing local to free."""
+
+    # ------------------------------------------------------------------ listing and reading
+
+    def scan(self, names: StepNames) -> list[Listed]:
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            step = names.parse(entry.name)
+            if step is None:
+                continue
+            if entry.is_symlink():  # never followed: it could lead anywhere
+                error = CorruptCheckpointError(
+                    f"step {step} at {entry.path} is a symbolic link; cairn does not follow links "
+                    "to step directories"
+                )
+                found.append(Listed(step, entry.path, error=error))
+            elif entry.is_dir(follow_symlinks=False):
+                listed = self._read(step, Path(entry.path))
+                if listed is not None:
+                    found.append(listed)
+        return sorted(found, key=lambda listed: listed.step)
+
+    def read_step(self, names: StepNames, step: int) -> Listed | None:
+        path = self.root / names.format(step)
+        if os.path.islink(path):
+            return Listed(step, str(path), error=CorruptCheckpointError(f"{path} is a link"))
+        return self._read(step, path)
+
+    def _read(self, step: int, path: Path) -> Listed | None:
+        """A step directory's manifest and metrics (None if the directory is gone)."""
+        where = f"manifest {path / MANIFEST} of step {step}"
+        try:
+            manifest = read_no_follow(path / MANIFEST)
+        except FileNotFoundError:
+            try:
+                foreign = orbax_step(step, path)
+            except FileNotFoundError:  # the step was deleted while being listed
+                return None
+            if foreign is not None:
+                return Listed(step, str(path), foreign=foreign)
+            if not os.path.lexists(path):
+                return None
+            missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
+            return Listed(step, str(path), error=CorruptCheckpointError(missing))
+        except (OSError, CorruptCheckpointError) as e:
+            error = CorruptCheckpointError(f"{where} cannot be read: {e}")
+            return Listed(step, str(path), error=error)
+        metrics, metrics_error = None, None
+        try:
+            metrics = read_no_follow(path / METRICS)
+        except FileNotFoundError:
+            pass
+        except (OSError, CorruptCheckpointError) as e:
+            metrics_error = CorruptCheckpointError(f"{path / METRICS} cannot be read: {e}")
+        return Listed(step, str(path), manifest, metrics=metrics, metrics_error=metrics_error)
+
+    def source(self, name: str, item: str) -> Source:
+        return LocalSource(within(self.root, f"{name}/{item}", what=f"step {name}"))
+
+    # ------------------------------------------------------------------ writing
+
+    def prepare(self, name: str, tmp_name: str, items: Iterable[str], *, create: bool) -> _Prepared:
+        tmp = self.root / tmp_name
+        if create:
+            tmp.mkdir()
+            for item in items:
+                (tmp / item).mkdir()
+        return _Prepared(self.root, tmp, self.root / name, owner=create)
+
+    def delete_step(self, name: str) -> Reclaim | None:
+        """Rename the step to trash (atomic: from then on it is no step) and fsync; freeing its
+        space is the returned work. A crash before that leaves a ``.trash-*`` directory, which
+        the next start removes."""
+        trash = self.root / trash_name(name)
+        try:
+            os.rename(self.root / name, trash)  # from here on the step is gone
+        except FileNotFoundError:
+            log.warning("cairn: step directory %s was already gone", self.root / name)
+            return None
+        fsync_dir(self.root)
+        return lambda: _remove_trash(trash)
+
+    def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
+        """The manifest that marks the item dropped replaces the old one atomically first, so
+        from then on no reader looks for the item's files; only then does the item's directory
+        leave the step (renamed to trash beside the steps)."""
+        step_dir = self.root / name
+        _replace_file(step_dir, MANIFEST, manifest.to_bytes())  # the item is dropped from here on
+        trash = self.root / trash_name(f"{name}-{item}")
+        try:
+            os.rename(within(step_dir, item, what=f"step {manifest.step}"), trash)
+        except FileNotFoundError:  # a damaged step whose item had no directory: dropped anyway
+            log.warning("cairn: item %r of %s had no directory to drop", item, step_dir)
+            return None
+        fsync_dir(step_dir)
+        fsync_dir(self.root)
+        return lambda: _remove_trash(trash)
+
+    def remove_dropped(self, steps: Mapping[str, Manifest]) -> None:
+        """Names come from manifests, so they go through `within` (a manifest is untrusted):
+        only an entry of the step directory itself is removed, and a link is unlinked, never
+        followed."""
+        for name, manifest in steps.items():
+            step_dir = self.root / name
+            for item, entry in manifest.items.items():
+                if not entry.dropped:
+                    continue
+                path = within(step_dir, item, what=f"manifest of {step_dir}")
+                if path.is_symlink():
+                    log.info("cairn: removing link %s left as a dropped item", path)
+                    path.unlink()
+                elif path.is_dir():
+                    log.info("cairn: removing dropped item %r left in %s", item, step_dir)
+                    shutil.rmtree(path)
+
+    def write_metrics(self, name: str, body: bytes) -> None:
+        _replace_file(self.root / name, METRICS, body)
+
+    def clean_leftovers(self, names: StepNames) -> list[str]:
+        """Temporary and trash entries a crashed writer left behind, and half-written
+        replacements of a step's manifest or metrics."""
+        removed = []
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(TRASH_PREFIX) or names.is_temporary(entry.name):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+        for entry in os.scandir(self.root):
+            if entry.is_dir(follow_symlinks=False) and names.parse(entry.name) is not None:
+                for inner in os.scandir(entry.path):
+                    if inner.name.startswith(_REPLACING):
+                        os.unlink(inner.path)
+                        removed.append(f"{entry.name}/{inner.name}")
+        if removed:
+            fsync_dir(self.root)
+            log.info(
+                "cairn: removed %d leftover entries in %s: %s", len(removed), self.root, removed
+            )
+        return removed
+
+
+_REPLACING = (f".{METRICS}.tmp-", f".{MANIFEST}.tmp-")
+
+
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Replace `directory/name` atomically: a temporary file, fsync, rename, fsync the directory."""
+    tmp = directory / f".{name}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+
+
+def _remove_trash(trash: Path) -> None:
+    """Free the space of a retired step (slow on some filesystems; never on the commit path)."""
+    try:
+        if trash.is_symlink():  # a step that was a link: remove the link, never its target
+            trash.unlink()
+        else:
+            shutil.rmtree(trash)
+    except OSError as e:
+        log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)
+
+
+class _Prepared:
+    """A step being written into ``<name>.tmp-<hex>``; the rename is its commit."""
+
+    def __init__(self, root: Path, tmp: Path, final: Path, *, owner: bool) -> None:
+        self._root, self._tmp, self._final, self._owner = root, tmp, final, owner
+
+    def destination(self, item: str) -> Destination:
+        return LocalDestination(self._tmp / item)
+
+    def write_file(self, relpath: str, data: bytes) -> None:
+        write_file(self._tmp, relpath, data)
+
+    def read_file(self, relpath: str) -> bytes:
+        return (self._tmp / relpath).read_bytes()
+
+    def remove_file(self, relpath: str) -> None:
+        (self._tmp / relpath).unlink()
+
+    def sync(self) -> None:
+        fsync_tree(self._tmp)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Items first, the manifest last, everything durable, then one rename: a reader (or a
+        restart after SIGKILL) sees no step or a whole one. POSIX rename would replace an
+        *empty* directory of the final name, so an existing one is refused first (the lock
+        keeps other writers out)."""
+        write_file(self._tmp, MANIFEST, manifest.to_bytes())
+        fsync_tree(self._tmp)
+        if os.path.lexists(self._final):
+            raise StepAlreadyExistsError(
+                f"step {manifest.step}: {self._final} appeared on disk meanwhile"
+            )
+        os.rename(self._tmp, self._final)  # the commit point
+        fsync_dir(self._root)  # make the new name itself durable
+
+    def abort(self) -> None:
+        if self._owner:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
+
+
+def fsync_tree(top: Path) -> None:
+    """Make every file and directory under `top` durable.
+
+    On Linux one ``syncfs(2)`` of the filesystem holding `top` does it (it also flushes other dirty
+    data there); it costs one call instead of an fsync per file, which matters for the hundreds of
+    chunk files of a train state. Elsewhere: fsync every file and directory, children first.
+    """
+    if _syncfs is not None:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syncfs of {top} failed: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        return
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False, onerror=_raise):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+class _DirectoryLock:
+    """An advisory flock on ``<root>/.cairn.lock``, held while a writable manager is open.
+
+    The lock belongs to the open file description, which a forked child would share; children
+    close their copy at fork time, so a fork-started worker never keeps the directory locked.
+    A manager dropped without close() releases it when garbage-collected.
+    """
+
+    _held: ClassVar[weakref.WeakSet[_DirectoryLock]] = weakref.WeakSet()
+
+    def __init__(self, root: Path) -> None:
+        path = root / LOCK
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:  # never through a link, never a FIFO or device: the pid is written into this file
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(
+                    f"{path} is a symbolic link; cairn never follows it (it would overwrite the "
+                    "link's target). Remove it and try again"
+                ) from None
+            if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
+                raise CorruptCheckpointError(
+                    f"{path} is not a regular file ({e.strerror}); remove it and try again"
+                ) from None
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
+            )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            who = (
+                "this process (a manager not closed?)"
+                if holder == str(os.getpid())
+                else f"pid {holder}"
+            )
+            raise DirectoryLockedError(
+                f"{root} is held by another writable CheckpointManager in {who}; "
+                "open it with read_only=True to read alongside"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        _DirectoryLock._held.add(self)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self._fd = None
+            self._finalizer()  # closes the descriptor once
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        for lock in list(cls._held):
+            lock.release()
+
+
+os.register_at_fork(after_in_child=_DirectoryLock._forget_in_child)

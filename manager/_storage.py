@@ -1,0 +1,203 @@
+"""Where a checkpoint directory lives: everything the manager needs from a place, in one protocol.
+
+`CheckpointManager` never asks which backend it is on. It calls a `Storage` (a POSIX directory,
+an object store through TensorStore's kvstore, or TensorStore's in-memory kvstore for tests) to
+become the writer, list and read steps, write and commit one step (`Prepared`), delete steps and
+items, and write late metrics. Handlers write through the `Destination` and read through the
+`Source` the storage gives them. Adding a backend means implementing these two protocols.
+
+The commit point is the storage's: a rename of the temporary directory on POSIX, the manifest
+written last with a conditional write on object stores. Either way a step without its manifest
+is no step, for every reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from cairn.handlers import Destination, Source
+from cairn.manager._format import Manifest, StepNames
+
+Reclaim = Callable[[], None]  # work that frees space after a deletion, run off the commit path
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """One step as its storage found it, before the manifest is parsed (`_catalog` does that).
+
+    Exactly one of `manifest` (its bytes), `error` (why it cannot be read: a link, no manifest, a
+    read error) and `foreign` (a step another checkpointer wrote, e.g. Orbax, described as a
+    read-only manifest) is set. `metrics` are the bytes of ``metrics.json`` if it exists;
+    `metrics_error` says why it could not be read.
+    """
+
+    step: int
+    where: str  # the step's path or URL, for messages
+    manifest: bytes | None = None
+    error: Exception | None = None
+    foreign: Manifest | None = None
+    metrics: bytes | None = None
+    metrics_error: Exception | None = None
+
+
+class Prepared(Protocol):
+    """One step being written, not visible to any reader until `commit`.
+
+    Every process of a multi-process save gets one for the same step (the primary's `prepare`
+    creates it); each writes its items' files through `destination` and may leave step-level
+    files (its list of files) with `write_file`, which the primary reads and removes.
+    """
+
+    def destination(self, item: str) -> Destination:
+        """Where the write phase of `item` puts its files."""
+        ...
+
+    def write_file(self, relpath: str, data: bytes) -> None:
+        """A step-level file (not an item's), e.g. one process's list of files."""
+        ...
+
+    def read_file(self, relpath: str) -> bytes: ...
+
+    def remove_file(self, relpath: str) -> None: ...
+
+    def sync(self) -> None:
+        """Make everything this process wrote into the step durable."""
+        ...
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write the manifest and make the step visible, atomically; StepAlreadyExistsError if
+        the step appeared meanwhile, DirectoryLockedError if this writer lost its lease."""
+        ...
+
+    def abort(self) -> None:
+        """Remove what was written (after a failure; the step was never visible)."""
+        ...
+
+
+class Storage(Protocol):
+    """A checkpoint directory: a POSIX directory, an object-store prefix, an in-memory store.
+
+    Threads: the manager calls it from its caller thread (listing, reading) and its commit
+    thread (every change); a storage must allow both at once. Every name it reads from the
+    store is untrusted: step names are parsed with `StepNames`, item and file names checked
+    before they become paths or keys.
+    """
+
+    url: str  # the directory as users name it (a path or a URL), for messages
+    multi_process: bool  # whether several processes of one job may write a step together
+
+    @property
+    def directory(self) -> Path | str:
+        """What CheckpointManager.directory returns: a Path, or the URL."""
+        ...
+
+    def location(self, name: str) -> Path | str:
+        """Where step `name` is (StepInfo.path): a Path on POSIX, a URL otherwise."""
+        ...
+
+    def acquire(self) -> None:
+        """Become the directory's one writer (a lock, a lease): DirectoryLockedError if another
+        writer holds it, ReadOnlyError if the place cannot be written."""
+        ...
+
+    def release(self) -> None: ...
+
+    def check_writer(self) -> None:
+        """DirectoryLockedError if this writer lost the directory (a lease taken over)."""
+        ...
+
+    def clean_leftovers(self, names: StepNames) -> list[str]:
+        """Remove what crashed writers left (temporary steps, trash, half-replaced files); the
+        writer calls this once, at start-up. Returns what was removed."""
+        ...
+
+    def scan(self, names: StepNames) -> list[Listed]:
+        """Every committed step, by step number."""
+        ...
+
+    def read_step(self, names: StepNames, step: int) -> Listed | None:
+        """One step read again (its manifest may have changed); None if it is gone."""
+        ...
+
+    def prepare(self, name: str, tmp_name: str, items: Iterable[str], *, create: bool) -> Prepared:
+        """Start writing step `name`; `create` on the process that creates its place (the
+        primary); `tmp_name` is the same on every process of a multi-process save.
+        StepAlreadyExistsError if the step is committed or claimed by another writer."""
+        ...
+
+    def delete_step(self, name: str) -> Reclaim | None:
+        """Retire a committed step crash-safely (from the first change on it is no step);
+        returns the work that frees its space, or None."""
+        ...
+
+    def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
+        """Per-item retention: replace the step's manifest with `manifest` (which marks `item`
+        dropped) atomically, then remove the item's files; a crash in between leaves files
+        that `remove_dropped` clears."""
+        ...
+
+    def remove_dropped(self, steps: Mapping[str, Manifest]) -> None:
+        """Remove files of items that manifests mark dropped (`steps` maps names to manifests)."""
+        ...
+
+    def write_metrics(self, name: str, body: bytes) -> None:
+        """Replace ``metrics.json`` of a committed step atomically."""
+        ...
+
+    def source(self, name: str, item: str) -> Source:
+        """Where a restore reads `item` of step `name` from."""
+        ...
+
+    def close(self) -> None:
+        """Free local resources (staging and download directories); not the lock."""
+        ...
+
+
+def is_url(text: str) -> bool:
+    return "://" in text
+
+
+SCHEMES = ("s3", "gs", "memory")
+
+
+def check_directory(directory: Any) -> Path | str:
+    """A checkpoint directory as given by a user: an absolute Path, or a URL of a known scheme
+    (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``memory://name``). The one place a URL is
+    told from a path."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a str or path, got {type(directory).__qualname__}")
+    text = os.fspath(directory)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"directory must be a non-empty path, got {directory!r}")
+    if is_url(text):
+        scheme, _, rest = text.partition("://")
+        if scheme not in SCHEMES or not rest.partition("/")[0]:
+            raise ValueError(
+                f"directory {text!r}: object stores are s3://bucket/prefix or gs://bucket/prefix "
+                "(memory://name for an in-process store)"
+            )
+        return text
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"directory {str(path)!r} exists and is not a directory")
+    return path
+
+
+def open_storage(directory: Path | str, options: Mapping[str, Any] | None) -> Storage:
+    """The storage for a directory `check_directory` accepted."""
+    if isinstance(directory, Path):
+        if options:
+            raise ValueError(
+                f"storage_options {dict(options)!r} apply to object stores; {directory} is a "
+                "local directory"
+            )
+        from cairn.manager._posix import PosixStorage
+
+        return PosixStorage(directory)
+    from cairn.manager._objectstore import KvStorage, StorageOptions
+
+    return KvStorage(directory, StorageOptions.from_mapping(options))
