@@ -6,7 +6,7 @@ the type registry, the built-in handlers and the error tree. Never imports cairn
 
 import numpy as _np
 
-from cairn.handlers import _iterators, errors
+from cairn.handlers import _iterators, errors, io
 from cairn.handlers._files import (
     ChecksummedFile,
     Destination,
@@ -60,6 +60,7 @@ __all__ = [
     "errors",
     "handler_by_id",
     "handler_for",
+    "io",
     "register",
     "registered_types",
     "write_file",

@@ -5,6 +5,9 @@ Writing: `Destination` (what a write phase writes through), `LocalDestination`, 
 `parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError). Names read from
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`.
+Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Steps that
+orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
+`read_orbax_metadata`.
 """
 
 from cairn.handlers._files import (
@@ -31,9 +34,16 @@ from cairn.handlers._files import (
     writing_as,
     writing_process,
 )
+from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
+from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
+from cairn.handlers._orbax import orbax_items
+from cairn.handlers._orbax import read_metadata as read_orbax_metadata
+from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
     "CONTENT_HASH",
+    "ORBAX_COMMIT_SUCCESS",
+    "ORBAX_STEP_METADATA",
     "BufferedFile",
     "ChecksummedFile",
     "Destination",
@@ -45,12 +55,16 @@ __all__ = [
     "as_destination",
     "check_relative",
     "content_hash",
+    "dtype_from_name",
+    "dtype_name",
     "fsync_dir",
     "hash_file",
     "lower_thread_priority",
     "open_regular",
+    "orbax_items",
     "parse_json",
     "read_no_follow",
+    "read_orbax_metadata",
     "within",
     "write_file",
     "writing_as",

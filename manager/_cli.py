@@ -263,7 +263,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _leaf_bytes(leaf: dict[str, Any]) -> int | None:
     import math
 
-    from cairn.handlers._tree import dtype_from_name
+    from cairn.handlers.io import dtype_from_name
 
     try:
         return math.prod(leaf["shape"]) * dtype_from_name(leaf["dtype"]).itemsize

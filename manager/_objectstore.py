@@ -155,6 +155,16 @@ class ObjectStore:
             return None
         return bytes(result.value)
 
+    def read_many(self, keys: Sequence[str], *, in_flight: int = 64) -> list[bytes | None]:
+        """`read` of many keys, `in_flight` requests at a time (a scan of thousands of steps)."""
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), in_flight):
+            futures = [self._kv.read(key) for key in keys[start : start + in_flight]]
+            for future in futures:
+                result = future.result()
+                out.append(bytes(result.value) if result.state == "value" else None)
+        return out
+
     def read_with_generation(self, key: str) -> tuple[bytes | None, Any]:
         result = self._kv.read(key).result()
         return (bytes(result.value) if result.state == "value" else None), result.stamp.generation
@@ -380,18 +390,36 @@ class KvStorage:
             step = names.parse(head)
             if step is not None and sep:
                 by_step.setdefault(step, set()).add(rest)
+        steps = sorted(by_step)
+        stepnames = [names.format(step) for step in steps]
+        manifests = self.store.read_many(
+            [
+                f"{name}/{MANIFEST}"
+                for step, name in zip(steps, stepnames, strict=True)
+                if MANIFEST in by_step[step]
+            ]
+        )
+        with_metrics = [n for s, n in zip(steps, stepnames, strict=True) if METRICS in by_step[s]]
+        metrics = dict(
+            zip(
+                with_metrics,
+                self.store.read_many([f"{n}/{METRICS}" for n in with_metrics]),
+                strict=True,
+            )
+        )
         found: list[tuple[Listed | None, str]] = []
-        for step, rests in sorted(by_step.items()):
-            name = names.format(step)
-            manifest = read_manifest(self.store, name) if MANIFEST in rests else None
-            if manifest is None:
+        read = iter(manifests)
+        for step, name in zip(steps, stepnames, strict=True):
+            rests = by_step[step]
+            data = next(read) if MANIFEST in rests else None
+            if data is None or data.startswith(_CLAIM_TAG):
                 # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say,
                 # an Orbax step) is not ours to delete, and not a step we can read.
                 if MANIFEST in rests or CLAIM in rests:
                     found.append((None, name))
                 continue
-            metrics = self.store.read(f"{name}/{METRICS}") if METRICS in rests else None
-            found.append((Listed(step, self.location(name), manifest, metrics=metrics), name))
+            listed = Listed(step, self.location(name), data, metrics=metrics.get(name))
+            found.append((listed, name))
         return found
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:

@@ -10,9 +10,11 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._orbax import COMMIT_SUCCESS, STEP_METADATA, orbax_items, read_metadata
 from cairn.handlers.errors import CorruptCheckpointError
-from cairn.handlers.io import parse_json
+from cairn.handlers.io import ORBAX_COMMIT_SUCCESS as COMMIT_SUCCESS
+from cairn.handlers.io import ORBAX_STEP_METADATA as STEP_METADATA
+from cairn.handlers.io import orbax_items, parse_json
+from cairn.handlers.io import read_orbax_metadata as read_metadata
 from cairn.manager._format import (
     ItemEntry,
     Manifest,

@@ -27,13 +27,13 @@ import numpy as np
 
 from cairn.handlers import TfDataIteratorHandler, TrainStateHandler, TrainStateRestore
 from cairn.handlers import handler_for as _handler_for
-from cairn.handlers._files import open_regular, read_no_follow
 from cairn.handlers.errors import (
     CairnError,
     CorruptCheckpointError,
     ItemNotFoundError,
     StepAlreadyExistsError,
 )
+from cairn.handlers.io import open_regular, read_no_follow
 from cairn.manager._format import MANIFEST, Manifest
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._policies import (
