@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import concurrent.futures.thread  # registers its shutdown hook before ours (see _finish_at_exit)
 import contextlib
 import dataclasses
 import hashlib
@@ -12,7 +11,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +28,7 @@ from cairn.handlers.errors import (
     UnsupportedFormatError,
 )
 from cairn.handlers.io import lower_thread_priority, writing_as
-from cairn.manager import _commit, _telemetry
+from cairn.manager import _commit, _exit, _telemetry
 from cairn.manager._catalog import Catalog, StepRecord, read_record
 from cairn.manager._format import (
     Manifest,
@@ -230,7 +228,7 @@ class CheckpointManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="cairn-commit", initializer=lower_thread_priority
             )
-            _OPEN_WRITERS.add(self)
+            _exit.finish_before_shutdown(self)
         # Deleted steps leave the listing on the commit thread; freeing their space is slow on
         # some filesystems (seconds per GiB with online discard), so it happens here, off that path.
         self._reclaimer = (
@@ -986,30 +984,8 @@ def _naming_item(name: str) -> Iterator[None]:
         raise
 
 
-_OPENED: dict[
-    str, int
-] = {}  # writable managers opened per directory in this process (collective keys)
-
-
-_OPEN_WRITERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-def _finish_at_exit() -> None:
-    """Let the commits of managers never closed land before the interpreter shuts down.
-
-    Registered with threading's pre-shutdown hooks, which run (newest first) before
-    concurrent.futures refuses new work; a commit's write phase may still start thread pools.
-    Errors are logged by the commit thread; nothing is raised here.
-    """
-    for mgr in list(_OPEN_WRITERS):
-        if not mgr._closed and mgr._executor is not None:
-            with contextlib.suppress(Exception):
-                mgr._drain()
-
-
-_register_before_shutdown = getattr(threading, "_register_atexit", None)
-if _register_before_shutdown is not None:
-    _register_before_shutdown(_finish_at_exit)
+# Writable managers opened per directory in this process (collective keys).
+_OPENED: dict[str, int] = {}
 
 
 def _uses_time(policy: Any) -> bool:
