@@ -32,6 +32,7 @@ from cairn.handlers._orbax import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPy
 from cairn.handlers._protocol import Handler, Snapshot
 from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
 from cairn.handlers._registry import register_by_methods as _register_by_methods
+from cairn.handlers._speechbrain import SpeechBrainHandler, SpeechBrainRecoverable
 from cairn.handlers._train_state import LazyArray, TrainStateHandler, TrainStateRestore
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "OrbaxPyTreeHandler",
     "Snapshot",
     "Source",
+    "SpeechBrainHandler",
+    "SpeechBrainRecoverable",
     "StatefulIteratorHandler",
     "StoredItem",
     "TfDataIteratorHandler",
@@ -80,3 +83,5 @@ for _orbax in (OrbaxPyTreeHandler(), OrbaxJsonHandler(), OrbaxDatasetHandler()):
 register(TfDataIteratorHandler(), *_iterators.TF_TYPES)
 register(GrainIteratorHandler(), *_iterators.GRAIN_TYPES)
 _register_by_methods(StatefulIteratorHandler(), _iterators.has_state_methods)
+# The recoverables of cairn.manager.speechbrain's Checkpointer; by id, any reader restores them.
+register(SpeechBrainHandler(), SpeechBrainRecoverable)

@@ -41,6 +41,9 @@ __all__ = [
     "StatefulIteratorHandler",
     "TfDataIteratorHandler",
     "TfDataIteratorState",
+    "decode_state",
+    "encode_state",
+    "has_state_methods",
 ]
 
 _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.")
@@ -157,9 +160,16 @@ def _no_constant(name: str) -> Any:
 _TAG = "__cairn__"
 
 
-def _encode(value: Any, path: str) -> Any:
-    """A JSON value for a state: dicts, lists, str, numbers, bool, None as JSON; tuples, bytes,
-    numpy arrays and scalars and non-str dict keys tagged so they come back as they were."""
+def encode_state(value: Any, path: str = "") -> Any:
+    """A JSON value for the state of an object (``get_state()``, ``state_dict()``), which
+    `decode_state` turns back into what it was.
+
+    Dicts with str keys, lists, str, finite numbers, bool and None stay as they are; NaN and the
+    infinities, tuples, bytes, NumPy arrays and scalars, and dicts with other keys become objects
+    tagged ``"__cairn__"`` (a key no state may use). Anything else is a TypeError naming where it
+    is in the state (`path` prefixes that name). The result goes through ``json.dumps(...,
+    allow_nan=False)``.
+    """
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, float)) and type(value) in (int, float):
@@ -181,18 +191,21 @@ def _encode(value: Any, path: str) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return {_TAG: "bytes", "data": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, tuple):
-        return {_TAG: "tuple", "items": [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        return {
+            _TAG: "tuple",
+            "items": [encode_state(v, f"{path}[{i}]") for i, v in enumerate(value)],
+        }
     if isinstance(value, list):
-        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [encode_state(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
         if _TAG in value:
             raise TypeError(f"state{path}: the key {_TAG!r} is reserved")
         if all(isinstance(k, str) for k in value):
-            return {k: _encode(v, f"{path}[{k!r}]") for k, v in value.items()}
+            return {k: encode_state(v, f"{path}[{k!r}]") for k, v in value.items()}
         return {
             _TAG: "dict",
             "items": [
-                [_encode(k, f"{path}(key {k!r})"), _encode(v, f"{path}[{k!r}]")]
+                [encode_state(k, f"{path}(key {k!r})"), encode_state(v, f"{path}[{k!r}]")]
                 for k, v in value.items()
             ],
         }
@@ -202,14 +215,20 @@ def _encode(value: Any, path: str) -> Any:
     )
 
 
-def _decode_value(value: Any) -> Any:
+def decode_state(value: Any) -> Any:
+    """The state `encode_state` gave `value` for, from its JSON (as ``json.loads`` returns it).
+
+    Input it did not write (read from a damaged file) raises ValueError (an unknown tag, bad
+    base64, a shape that does not fit), KeyError, TypeError, OverflowError or RecursionError;
+    callers reading from disk report these as CorruptCheckpointError.
+    """
     if isinstance(value, list):
-        return [_decode_value(v) for v in value]
+        return [decode_state(v) for v in value]
     if not isinstance(value, dict):
         return value
     tag = value.get(_TAG)
     if tag is None:
-        return {k: _decode_value(v) for k, v in value.items()}
+        return {k: decode_state(v) for k, v in value.items()}
     if tag == "float":
         return float(value["value"])
     if tag in ("ndarray", "scalar"):
@@ -219,9 +238,9 @@ def _decode_value(value: Any) -> Any:
     if tag == "bytes":
         return base64.b64decode(value["data"])
     if tag == "tuple":
-        return tuple(_decode_value(v) for v in value["items"])
+        return tuple(decode_state(v) for v in value["items"])
     if tag == "dict":
-        return {_decode_value(k): _decode_value(v) for k, v in value["items"]}
+        return {decode_state(k): decode_state(v) for k, v in value["items"]}
     raise ValueError(f"unknown tag {tag!r}")
 
 
@@ -263,7 +282,7 @@ class StatefulIteratorHandler(_PerProcessHandler):
                 f"state_dict()/load_state_dict(); {type(obj).__qualname__} has neither"
             )
         state = getattr(obj, methods[0])()
-        body = {"methods": list(methods), "state": _encode(state, "")}
+        body = {"methods": list(methods), "state": encode_state(state, "")}
         return [json.dumps(body, allow_nan=False).encode()]
 
     def _parse(self, data: bytes, stored: StoredItem) -> tuple[tuple[str, str], Any]:
@@ -272,7 +291,7 @@ class StatefulIteratorHandler(_PerProcessHandler):
             methods = tuple(body["methods"])
             if methods not in _METHOD_PAIRS:
                 raise ValueError(f"methods {body['methods']!r} are not one of {_METHOD_PAIRS}")
-            return methods, _decode_value(body["state"])
+            return methods, decode_state(body["state"])
         except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
             raise CorruptCheckpointError(
                 f"{stored.describe_file(self._file_name())}: the iterator state does not parse: "

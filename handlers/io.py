@@ -5,8 +5,9 @@ Writing: `Destination` (what a write phase writes through), `LocalDestination`, 
 `parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError). Names read from
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`.
-Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Steps that
-orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
+Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
+(``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
+Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
 `read_orbax_metadata`.
 """
 
@@ -34,6 +35,7 @@ from cairn.handlers._files import (
     writing_as,
     writing_process,
 )
+from cairn.handlers._iterators import decode_state, encode_state, has_state_methods
 from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
@@ -55,9 +57,12 @@ __all__ = [
     "as_destination",
     "check_relative",
     "content_hash",
+    "decode_state",
     "dtype_from_name",
     "dtype_name",
+    "encode_state",
     "fsync_dir",
+    "has_state_methods",
     "hash_file",
     "lower_thread_priority",
     "open_regular",

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
-import dataclasses
 import inspect
-import io
 import json
 import logging
 import math
@@ -38,11 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers import Destination, FileRecord, StoredItem, register
-from cairn.handlers._files import open_regular
-from cairn.handlers._iterators import _decode_value, _encode, has_state_methods
+from cairn.handlers import SpeechBrainHandler, SpeechBrainRecoverable
 from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError, UnsupportedFormatError
-from cairn.handlers.io import as_destination
+from cairn.handlers.io import decode_state, has_state_methods, open_regular
 from cairn.manager._format import trash_name
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import check_item_name
@@ -51,7 +46,7 @@ log = logging.getLogger("cairn")
 
 CKPT_PREFIX = "CKPT"
 METAFNAME = f"{CKPT_PREFIX}.yaml"  # the meta file of SpeechBrain's own checkpoints (read only)
-PARAMFILE_EXT = ".ckpt"
+PARAMFILE_EXT = SpeechBrainHandler.paramfile_ext  # ".ckpt"
 _META_ITEM = "CKPT.meta"  # holds the meta of a checkpoint without recoverables
 _STEP_DIR = re.compile(rf"{CKPT_PREFIX}_(\d+)")
 
@@ -74,24 +69,6 @@ def ckpt_recency(ckpt: Checkpoint) -> tuple[int, float]:
 
 
 # ---------------------------------------------------------------------------- hooks
-
-
-def _state_dict_on_cpu(obj: Any) -> Any:
-    """A copy of ``obj.state_dict()`` whose tensors are detached CPU copies (a snapshot)."""
-    import torch
-
-    def copy_value(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu", copy=True)
-        if isinstance(value, dict):
-            return type(value)((k, copy_value(v)) for k, v in value.items())
-        if isinstance(value, list):
-            return [copy_value(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(copy_value(v) for v in value)
-        return copy.deepcopy(value)
-
-    return copy_value(obj.state_dict())
 
 
 def torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -289,89 +266,10 @@ def _is_pytree(obj: Any) -> bool:
     return jax is not None and isinstance(obj, jax.Array)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Recoverable:
-    """One recoverable as save_checkpoint hands it to the manager."""
-
-    name: str
-    obj: Any
-    kind: str  # "torch" | "state" | "hook"
-    hook: Callable[..., Any] | None
-    staging: pathlib.Path
-
-
-class _Written:
-    """The snapshot of a recoverable: bytes to write as ``<name>.ckpt``, or a file a hook wrote."""
-
-    def __init__(self, name: str, data: Any = None, staged: pathlib.Path | None = None) -> None:
-        self._name, self._data, self._staged = name, data, staged
-
-    def write(self, dest: Destination | pathlib.Path) -> Sequence[FileRecord]:
-        dest = as_destination(dest)
-        target = f"{self._name}{PARAMFILE_EXT}"
-        if self._staged is None:
-            data = self._data
-            if not isinstance(data, bytes):  # a state_dict: serialised here, off the caller
-                import torch
-
-                buffer = io.BytesIO()
-                torch.save(data, buffer)
-                data = buffer.getvalue()
-            return [dest.write_file(target, data)]
-        # A hook's own file (or directory): moved into the item's local directory, hashed and
-        # (for an object store) uploaded by the destination.
-        directory = dest.local_directory()
-        os.replace(self._staged, directory / target)
-        with contextlib.suppress(OSError):
-            self._staged.parent.rmdir()  # the hook's own staging directory, now empty
-        path = directory / target
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return [FileRecord(p.relative_to(directory).as_posix(), p.stat().st_size) for p in files]
-
-
-class _RecoverableHandler:
-    """Writes one SpeechBrain recoverable as ``<name>.ckpt`` (the manager's handler for them)."""
-
-    id = "cairn.speechbrain"
-    version = 1
-
-    def snapshot(self, rec: _Recoverable) -> _Written:
-        if rec.kind == "torch":
-            return _Written(rec.name, _state_dict_on_cpu(rec.obj))
-        if rec.kind == "state":
-            getter = "get_state" if callable(getattr(rec.obj, "get_state", None)) else "state_dict"
-            state = _encode(getattr(rec.obj, getter)(), "")
-            return _Written(rec.name, json.dumps({"state": state}, allow_nan=False).encode())
-        assert rec.hook is not None
-        rec.staging.mkdir(parents=True)
-        path = rec.staging / f"{rec.name}{PARAMFILE_EXT}"
-        rec.hook(rec.obj, path)  # the hook writes the object's file now, on the caller thread
-        others = sorted(p.name for p in rec.staging.iterdir() if p != path)
-        if not path.exists() or others:
-            raise RuntimeError(
-                f"the save hook of {rec.name!r} ({rec.hook!r}) must write exactly the path it is "
-                f"given ({path.name}); it wrote {others or 'nothing'}"
-            )
-        return _Written(rec.name, staged=path)
-
-    def restore(self, stored: StoredItem, target: Any = None) -> Any:
-        del target
-        for relpath in stored.files:
-            stored.read_bytes(relpath)  # verified
-        return stored.directory / f"{stored.name}{PARAMFILE_EXT}"
-
-    def describe(self, stored: StoredItem) -> dict[str, Any]:
-        return {"kind": "speechbrain", "bytes": sum(r.size for r in stored.files.values())}
-
-
-_HANDLER = _RecoverableHandler()
-register(_HANDLER, _Recoverable)
-
-
 def _state_load(obj: Any, path: pathlib.Path, end_of_epoch: bool) -> None:
     del end_of_epoch
     try:
-        state = _decode_value(json.loads(pathlib.Path(path).read_bytes())["state"])
+        state = decode_state(json.loads(pathlib.Path(path).read_bytes())["state"])
     except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
         raise CorruptCheckpointError(f"{path}: the saved state does not parse: {e}") from None
     setter = "set_state" if callable(getattr(obj, "set_state", None)) else "load_state_dict"
@@ -510,17 +408,17 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
 
     def _plan(self, name: str, obj: Any) -> Any:
-        """What the manager saves for one recoverable (a _Recoverable, or the pytree itself)."""
+        """What the manager saves for one recoverable (a SpeechBrainRecoverable, or the pytree)."""
         hook = self.custom_save_hooks.get(name) or get_default_hook(obj, DEFAULT_SAVE_HOOKS)
         # A hook writes into its own directory beside the steps, named as trash so that a crash
         # leaves nothing the next start does not remove; the commit moves the file into the step.
         staging = self.checkpoints_dir / trash_name(f"staging-{name}")
         if hook is torch_save:
-            return _Recoverable(name, obj, "torch", None, staging)
+            return SpeechBrainRecoverable(name, obj, "torch", None, staging)
         if hook is not None:
-            return _Recoverable(name, obj, "hook", hook, staging)
+            return SpeechBrainRecoverable(name, obj, "hook", hook, staging)
         if has_state_methods(obj):
-            return _Recoverable(name, obj, "state", None, staging)
+            return SpeechBrainRecoverable(name, obj, "state", None, staging)
         if _is_pytree(obj):
             return obj
         raise RuntimeError(
@@ -572,7 +470,7 @@ class Checkpointer:
             )
         except BaseException:
             for item in items.values():
-                if isinstance(item, _Recoverable) and item.kind == "hook":
+                if isinstance(item, SpeechBrainRecoverable) and item.kind == "hook":
                     shutil.rmtree(item.staging, ignore_errors=True)
             raise
         finally:
@@ -581,7 +479,7 @@ class Checkpointer:
         path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
         kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
         log.log(verbosity, "cairn.speechbrain: saved an %s checkpoint in %s", kind, path)
-        files = {n: isinstance(v, _Recoverable) for n, v in items.items()}
+        files = {n: isinstance(v, SpeechBrainRecoverable) for n, v in items.items()}
         return Checkpoint(path, full_meta, self._paramfiles(path, files))
 
     @staticmethod
@@ -638,7 +536,11 @@ class Checkpointer:
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 log.warning("cairn.speechbrain: skipping a damaged checkpoint %s: %s", path, e)
                 continue
-            files = {n: i.handler == _HANDLER.id for n, i in info.items.items() if not i.dropped}
+            files = {
+                n: i.handler == SpeechBrainHandler.id
+                for n, i in info.items.items()
+                if not i.dropped
+            }
             found.append(Checkpoint(path, meta, self._paramfiles(path, files)))
         return found + _speechbrain_checkpoints(self.checkpoints_dir)
 

@@ -500,3 +500,96 @@ def test_parameter_transfer_is_not_strict(tmp_path: Path, caplog: pytest.LogCapt
         torch_parameter_transfer(target, saved.paramfiles["net"])
     assert torch.all(target.lin.weight == 4.0)
     assert "no parameters for 'head.weight'" in caplog.text
+
+
+# A fresh process: import cairn.handlers, note its registry, then import the manager modules and
+# save through a Checkpointer; the registry must not change, so the handler of SpeechBrain items
+# is a built-in of cairn.handlers. (The id registry is private; a test may read it.)
+_WRITER = """
+import sys
+import numpy as np
+import torch
+import cairn.handlers
+from cairn.handlers import _registry
+
+def registry():
+    return dict(cairn.handlers.registered_types()), dict(_registry._BY_ID)
+
+builtins = registry()
+assert type(builtins[1]["cairn.speechbrain"]) is cairn.handlers.SpeechBrainHandler
+import cairn.manager
+import cairn.manager.speechbrain
+from cairn.manager.speechbrain import Checkpointer
+assert registry() == builtins, "importing cairn.manager registered a handler"
+
+class Counter:
+    def get_state(self):
+        return {"current": 7, "history": (1, 2)}
+    def set_state(self, state):
+        raise AssertionError("not loaded here")
+
+def hook(obj, path):
+    path.write_text("written by a hook")
+
+net = torch.nn.Linear(3, 2)
+recoverables = {"net": net, "counter": Counter(), "tree": {"w": np.ones(3)}, "custom": object()}
+with Checkpointer(sys.argv[1], recoverables, custom_save_hooks={"custom": hook}) as c:
+    c.save_checkpoint(meta={"loss": 0.5})
+torch.save(net.state_dict(), sys.argv[2])
+assert registry() == builtins, "the Checkpointer registered a handler"
+"""
+
+# Another fresh process reads the step with a plain read-only CheckpointManager, cairn.manager's
+# SpeechBrain modules replaced by empty ones before cairn.manager is imported: none of their code
+# runs, so only a built-in handler of cairn.handlers can restore the step.
+_READER = """
+import json, sys, types
+for name in ("cairn.manager.speechbrain", "cairn.manager._speechbrain"):
+    sys.modules[name] = types.ModuleType(name)
+from cairn.manager import CheckpointManager
+with CheckpointManager(sys.argv[1], read_only=True, step_prefix="CKPT") as mgr:
+    info = mgr.info(0)
+    restored = mgr.restore(0)
+assert not hasattr(sys.modules["cairn.manager._speechbrain"], "Checkpointer")
+print(json.dumps({
+    "handlers": {n: [i.handler, i.version] for n, i in info.items.items()},
+    "paths": {n: str(restored[n]) for n in ("net", "counter", "custom")},
+    "tree": restored["tree"]["w"].tolist(),
+}))
+"""
+
+
+def test_importing_the_manager_registers_nothing_and_a_bare_reader_restores(
+    tmp_path: Path,
+) -> None:
+    """Importing cairn.manager and cairn.manager.speechbrain, and saving with a Checkpointer,
+    register no handler beyond cairn.handlers' built-ins; a read-only CheckpointManager in a
+    fresh process where the SpeechBrain surface never ran restores the step (handler
+    "cairn.speechbrain", version 1), and the files are what the Checkpointer saved."""
+    import subprocess
+    import sys
+
+    root, expected = tmp_path / "ckpts", tmp_path / "net.pt"
+    for script, args in ((_WRITER, [root, expected]), (_READER, [root])):
+        run = subprocess.run(
+            [sys.executable, "-c", script, *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    handlers = got["handlers"]
+    assert handlers.pop("tree")[0] != "cairn.speechbrain"  # a pytree: the train-state handler
+    assert handlers == {n: ["cairn.speechbrain", 1] for n in ("net", "counter", "custom")}
+    assert got["tree"] == [1.0, 1.0, 1.0]
+    paths = {name: Path(p) for name, p in got["paths"].items()}
+    assert paths["net"] == root / "CKPT_0" / "net" / "net.ckpt"
+    saved = torch.load(paths["net"], weights_only=True)
+    for key, value in torch.load(expected, weights_only=True).items():
+        assert torch.equal(saved[key], value)
+    assert paths["custom"].read_text() == "written by a hook"
+    counter = Counter()  # the saved state loads as any recoverable's does
+    with Checkpointer(root, {"counter": counter}, allow_partial_load=True) as c:
+        c.recover_if_possible()
+    assert counter.current == 7
