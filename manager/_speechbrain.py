@@ -355,6 +355,10 @@ class Checkpointer:
             self._manager = CheckpointManager(
                 self.checkpoints_dir, step_prefix=CKPT_PREFIX, read_only=True
             )
+        if self._world > 1:  # the main process saves only once every reader has listed the steps
+            import torch.distributed as dist
+
+            dist.barrier()
         latest = self._manager.latest_step()
         self._next = 0 if latest is None else latest + 1  # checkpoints are numbered in order
 
