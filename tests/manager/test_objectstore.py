@@ -1,11 +1,17 @@
-"""Checkpoint directories in S3, against a real S3 server process (moto) on 127.0.0.1."""
+"""Checkpoint directories in S3, against a real S3 server process (moto) on 127.0.0.1: what is
+particular to object stores (the URL forms, storage_options, the lease, real writer processes,
+steps copied between a disk and a bucket). What every backend must do is in test_storage.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +28,11 @@ from cairn.manager import (
     CommitError,
     DirectoryLockedError,
     KeepLatest,
-    StepAlreadyExistsError,
     StepNotFoundError,
     _objectstore,
 )
-from cairn.manager._commit import SaveJob
-from cairn.manager._format import MANIFEST, StepNames
+from cairn.manager._format import LOCK, MANIFEST
+from cairn.manager._objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
 
@@ -72,29 +77,83 @@ def test_save_restore_retention_and_metrics(s3_bucket: str) -> None:
         assert reader.best_step() == 4
         assert_tree_equal(reader.restore(3)["state"], state(3))
         assert reader.verify(4) == []
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     keys = store.list_keys()
     assert all(k.startswith(("checkpoint_3/", "checkpoint_4/")) for k in keys), keys
     assert not [k for k in keys if "/data/" in k and k.startswith("checkpoint_3/")]
 
 
-def test_explicit_endpoint_and_bad_options(
+@pytest.mark.parametrize(
+    ("given", "directory"),
+    [
+        ("{bucket}", "{bucket}"),
+        ("{bucket}/", "{bucket}"),
+        ("{bucket}/runs/a/", "{bucket}/runs/a"),
+        ("{bucket}//runs/a", "{bucket}/runs/a"),
+    ],
+)
+def test_url_forms(s3_bucket: str, given: str, directory: str) -> None:
+    """A bucket alone, or a prefix, with or without slashes around it: one directory, named
+    without them, its steps at <directory>/checkpoint_<n>."""
+    url, want = given.format(bucket=s3_bucket), directory.format(bucket=s3_bucket)
+    with CheckpointManager(url) as mgr:
+        assert mgr.directory == want
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        assert mgr.info(1).path == f"{want}/checkpoint_1"
+    with CheckpointManager(want, read_only=True) as reader:
+        assert_tree_equal(reader.restore(1)["state"], state(1))
+    keys = ObjectStore(s3_bucket, StorageOptions()).list_keys()
+    prefix = want.removeprefix(s3_bucket).strip("/")
+    assert f"{prefix}/checkpoint_1/{MANIFEST}".lstrip("/") in keys, keys
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://", "s3:///x", "gs://", "memory://", "ftp://host/x", "file:///tmp/x", "S3://b/x"]
+)
+def test_urls_that_are_no_directory(url: str) -> None:
+    with pytest.raises(ValueError, match="object stores are s3://bucket/prefix"):
+        CheckpointManager(url)
+
+
+def test_explicit_endpoint(
     s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     with CheckpointManager(s3_bucket, storage_options={"endpoint": s3_endpoint}) as mgr:
         mgr.save(1, {"state": state(1)})
     with CheckpointManager(
-        s3_bucket, read_only=True, storage_options={"endpoint": s3_endpoint}
+        s3_bucket, read_only=True, storage_options={"endpoint": s3_endpoint, "region": None}
     ) as r:
         assert r.all_steps() == [1]
-    with pytest.raises(ValueError, match=r"unknown keys \['bucket'\]"):
-        CheckpointManager(s3_bucket, storage_options={"bucket": "x"})
-    with pytest.raises(ValueError, match="object stores are s3://bucket/prefix"):
-        CheckpointManager("ftp://host/x")
 
 
-def test_second_writer_is_refused_and_a_dead_writers_lease_is_taken_over(s3_bucket: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"bucket": "x"}, ValueError, r"unknown keys \['bucket'\] \(known: endpoint, region\)"),
+        ({"endpoint": ""}, ValueError, r"storage_options\['endpoint'\] must be a non-empty str"),
+        ({"region": 1}, ValueError, r"storage_options\['region'\] must be a non-empty str"),
+        (["endpoint"], TypeError, "storage_options must be a mapping"),
+    ],
+)
+def test_bad_storage_options(s3_bucket: str, options: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        CheckpointManager(s3_bucket, storage_options=options)
+    assert ObjectStore(s3_bucket, StorageOptions()).list_keys() == []  # no lease was taken
+
+
+def test_storage_options_that_do_not_apply(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="apply to object stores"):
+        CheckpointManager(tmp_path, storage_options={"region": "us-east-1"})
+    with pytest.raises(ValueError, match="for gs:// the endpoint comes from TENSORSTORE_GCS"):
+        CheckpointManager("gs://bucket/x", storage_options={"region": "us-east-1"})
+    with pytest.raises(ValueError, match="for gs:// the endpoint comes from TENSORSTORE_GCS"):
+        CheckpointManager("gs://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1"})
+    assert not list(tmp_path.iterdir())
+
+
+def test_second_writer_is_refused_until_the_first_closes(s3_bucket: str) -> None:
     url = f"{s3_bucket}/lease"
     with CheckpointManager(url) as mgr:
         mgr.save(1, {"state": state(1)})
@@ -107,6 +166,53 @@ def test_second_writer_is_refused_and_a_dead_writers_lease_is_taken_over(s3_buck
             assert reader.all_steps() == [1]
     with CheckpointManager(url) as again:  # released at close
         assert again.all_steps() == [1]
+
+
+def put_lease(url: str, owner: str, expires: float) -> ObjectStore:
+    store = ObjectStore(url, StorageOptions())
+    store.write(LOCK, json.dumps({"owner": owner, "expires": expires}).encode())
+    return store
+
+
+def lease_of(store: ObjectStore) -> dict[str, Any]:
+    data = store.read(LOCK)
+    assert data is not None
+    return dict(json.loads(data))
+
+
+def test_a_live_lease_of_another_host_is_refused(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/held"
+    store = put_lease(url, "elsewhere:123:abcdef01", time.time() + 600)
+    with pytest.raises(DirectoryLockedError, match=r"held by another writable .*\(elsewhere:123:"):
+        CheckpointManager(url)
+    assert lease_of(store)["owner"] == "elsewhere:123:abcdef01"  # left alone
+    with CheckpointManager(url, read_only=True) as reader:  # readers need no lease
+        assert reader.all_steps() == []
+
+
+@pytest.mark.parametrize("lease", ["expired", "of a dead process here", "unreadable"])
+def test_a_dead_writers_lease_is_taken_over(s3_bucket: str, lease: str) -> None:
+    """A lease whose writer cannot come back: expired (another host's, not refreshed for an
+    hour), or held by a process of this host that no longer runs, or not a lease at all."""
+    url = f"{s3_bucket}/dead"
+    if lease == "expired":
+        store = put_lease(url, "elsewhere:123:abcdef01", time.time() - 1)
+    elif lease == "of a dead process here":
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        store = put_lease(url, f"{socket.gethostname()}:{gone.pid}:abcdef01", time.time() + 600)
+    else:
+        store = ObjectStore(url, StorageOptions())
+        store.write(LOCK, b"not json")
+    with CheckpointManager(url) as mgr:
+        held = lease_of(store)
+        assert held["owner"].startswith(f"{socket.gethostname()}:{os.getpid()}:")
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        assert lease_of(store)["expires"] > held["expires"]  # refreshed by the commit
+        with pytest.raises(DirectoryLockedError):
+            CheckpointManager(url)
+    assert store.read(LOCK) is None  # released at close
 
 
 def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoint: str) -> None:
@@ -130,7 +236,7 @@ def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoi
             for step in steps:
                 assert_tree_equal(mgr.restore(step, fallback=False)["state"], expected_state(step))
             previous = steps[-1]
-        store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+        store = ObjectStore(url, StorageOptions())
         prefixes = {k.split("/")[0] for k in store.list_keys()}
         assert prefixes == {f"checkpoint_{s}" for s in steps}, prefixes  # no uncommitted leftovers
 
@@ -159,61 +265,31 @@ def test_reader_beside_the_writer(s3_bucket: str, s3_endpoint: str) -> None:
         writer.communicate()
 
 
-def test_two_writers_racing_for_one_step_exactly_one_wins(s3_bucket: str, tmp_path: Path) -> None:
-    """The commit itself, from 6 threads at once for the same step: one manifest is written,
-    the others get StepAlreadyExistsError, and the step restores to the winner's content."""
-    from cairn.handlers import TrainStateHandler
-
-    url = f"{s3_bucket}/race"
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
-    names = StepNames()
-    handler = TrainStateHandler()
-    start = threading.Barrier(6)
-    outcomes: list[Any] = [None] * 6
-
-    def attempt(i: int) -> None:
-        job = SaveJob(
-            step=7,
-            tmp_name=None,
-            snapshots={"state": (handler, handler.snapshot({"w": np.full(100, float(i))}))},
-            metrics={},
-            metadata={"writer": i},
-            started_at=0.0,
-            blocked_s=0.0,
-        )
-        start.wait()
-        try:
-            outcomes[i] = _objectstore.commit_step(store, tmp_path / f"w{i}", names, job)
-        except StepAlreadyExistsError as e:
-            outcomes[i] = e
-
-    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = [i for i, o in enumerate(outcomes) if not isinstance(o, StepAlreadyExistsError)]
-    assert len(winners) == 1, outcomes
-    with CheckpointManager(url, read_only=True) as reader:
-        assert reader.info(7).metadata == {"writer": winners[0]}
-        np.testing.assert_array_equal(reader.restore(7)["state"]["w"], np.full(100, winners[0]))
-
-
 def test_a_step_copied_from_disk_to_the_bucket_and_back(s3_bucket: str, tmp_path: Path) -> None:
+    """The layout is the same on disk and in a bucket: a step copied file by file (as by
+    `aws s3 cp --recursive`) restores in either place."""
     local = tmp_path / "local"
     with CheckpointManager(local) as mgr:
         mgr.save(5, {"state": state(5), "data": advanced(Shuffled(), 5)})
     url = f"{s3_bucket}/copied"
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
-    store.upload_tree(local / "checkpoint_5", "checkpoint_5/")  # e.g. `aws s3 cp --recursive`
+    store = ObjectStore(url, StorageOptions())
+    for path in sorted((local / "checkpoint_5").rglob("*")):
+        if path.is_file():
+            store.write(path.relative_to(local).as_posix(), path.read_bytes())
     with CheckpointManager(url, read_only=True) as reader:
         got = reader.restore(5, {"state": None, "data": Shuffled()})
         assert_tree_equal(got["state"], state(5))
         assert take(got["data"]) == take(advanced(Shuffled(), 5))
-    back = tmp_path / "back" / "checkpoint_5"
-    store.download({k: back / k.partition("/")[2] for k in store.list_keys("checkpoint_5/")})
-    with CheckpointManager(tmp_path / "back", read_only=True) as reader:
+        assert reader.verify(5) == []
+    back = tmp_path / "back"
+    for key in store.list_keys("checkpoint_5/"):
+        data = store.read(key)
+        assert data is not None
+        (back / key).parent.mkdir(parents=True, exist_ok=True)
+        (back / key).write_bytes(data)
+    with CheckpointManager(back, read_only=True) as reader:
         assert_tree_equal(reader.restore(5)["state"], state(5))
+        assert reader.verify(5) == []
 
 
 def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
@@ -226,7 +302,7 @@ def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["step 1: ok", "1 steps checked, 0 damaged"]
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     key = next(k for k in store.list_keys() if k.endswith("tree.json"))
     store.write(key, b"{}")  # damaged in place
     out = subprocess.run(
@@ -235,29 +311,11 @@ def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
     assert out.returncode == 1 and "tree.json" in out.stdout
 
 
-def test_a_crash_inside_an_item_drop_is_cleaned_at_the_next_start(s3_bucket: str) -> None:
-    url = f"{s3_bucket}/dropcrash"
-    with CheckpointManager(url) as mgr:
-        mgr.save(1, {"state": state(1), "data": Shuffled()})
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
-    with CheckpointManager(url, read_only=True) as reader:
-        manifest = reader._manifest(1)
-    # the state a crash between the manifest replacement and the deletion leaves:
-    data_keys = store.list_keys("checkpoint_1/data/")
-    _objectstore.drop_item(store, "checkpoint_1", manifest, "data")
-    for key in data_keys:
-        store.write(key, b"orphan")
-    with CheckpointManager(url) as mgr:
-        assert store.list_keys("checkpoint_1/data/") == []
-        assert mgr.info(1).items["data"].dropped
-        assert_tree_equal(mgr.restore(1)["state"], state(1))
-
-
 def test_a_writer_leaves_foreign_prefixes_alone(s3_bucket: str) -> None:
     """Only prefixes cairn claimed count as its leftovers: an Orbax step (or anything else) in the
     same bucket prefix is never deleted by a starting writer."""
     url = f"{s3_bucket}/shared"
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     store.write("checkpoint_7/commit_success.txt", b"")
     store.write("checkpoint_7/state/_METADATA", b"{}")
     store.write("checkpoint_8/.claim", b"crashed")  # a save by an older cairn that died
@@ -278,7 +336,7 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
     with CheckpointManager(url) as mgr:
         for step in (1, 2):
             mgr.save(step, {"state": state(step)})
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     store.write("checkpoint_1/.claim", b"deleting")  # what delete_step does first,
     store.delete("checkpoint_1/_CHECKPOINT.json")  # and second; then the process died
     with CheckpointManager(url) as mgr:
@@ -286,29 +344,27 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
     assert store.list_keys("checkpoint_1/") == []
 
 
-def hold(mgr: CheckpointManager, where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hold the manager's commit thread on `gate` once a step's files are uploaded: right after
-    the upload, or right after the lease check that follows it (just before the manifest)."""
-    store, lease = mgr._store, mgr._lease
-    assert store is not None and lease is not None
-    uploaded = threading.Event()
-    upload, check = store.upload_tree, lease.check
+def hold(where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold the next commit of a step on `gate` once its files are written: before the commit
+    starts, or right after the lease check inside it (just before the manifest). Once."""
+    uploaded, held = threading.Event(), threading.Event()
+    commit, check = _objectstore._KvPrepared.commit, _objectstore.Lease.check
 
-    def held_upload(*args: Any, **kwargs: Any) -> int:
-        sent = upload(*args, **kwargs)
+    def held_commit(self: Any, manifest: Any) -> None:
         uploaded.set()
-        if where == "after the upload":
+        if where == "after the upload" and not held.is_set():
+            held.set()
             gate()
-        return sent
+        commit(self, manifest)
 
-    def held_check() -> None:
-        check()
-        if where == "after the lease check" and uploaded.is_set():
-            uploaded.clear()
+    def held_check(self: Any) -> None:
+        check(self)
+        if where == "after the lease check" and uploaded.is_set() and not held.is_set():
+            held.set()
             gate()
 
-    monkeypatch.setattr(store, "upload_tree", held_upload)
-    monkeypatch.setattr(lease, "check", held_check)
+    monkeypatch.setattr(_objectstore._KvPrepared, "commit", held_commit)
+    monkeypatch.setattr(_objectstore.Lease, "check", held_check)
 
 
 @pytest.mark.parametrize("where", ["after the upload", "after the lease check"])
@@ -319,13 +375,13 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing(
     removes A's claimed, uncommitted step. A must not commit it (nor anything later) and must say
     why; B never lists A's step, and B's own saves work."""
     url = f"{s3_bucket}/takeover"
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     monkeypatch.setattr(_objectstore, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
     a = CheckpointManager(url)
     try:
         a.save(1, {"state": state(1)})
         a.wait_until_finished()
-        hold(a, where, gate, monkeypatch)
+        hold(where, gate, monkeypatch)
         a.save(2, {"state": state(2)})
         assert gate.entered.wait(60)  # step 2 is uploaded and claimed, not committed
         assert store.list_keys("checkpoint_2/state/")
@@ -368,10 +424,10 @@ def test_a_save_whose_claim_was_removed_commits_nothing(
     writer still holds its lease: the manifest, which may only replace that claim, is not
     written, and nothing of the step is listed."""
     url = f"{s3_bucket}/unclaimed"
-    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    store = ObjectStore(url, StorageOptions())
     handler = InMemoryHandler()
     with CheckpointManager(url, handlers={"x": handler}) as a:
-        hold(a, "after the upload", gate, monkeypatch)
+        hold("after the upload", gate, monkeypatch)
         a.save(1, {"state": state(1), "x": "first"})
         assert gate.entered.wait(60)
         if removed == "the claim":
