@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -44,9 +45,12 @@ from cairn.handlers.io import check_relative
 from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
 from cairn.manager._storage import Listed, Reclaim
 
+log = logging.getLogger("cairn")
+
 LEASE = LOCK
 LEASE_SECONDS = 3600.0  # read when a lease is taken (the tests shorten it)
 CLAIM = ".claim"  # delete_step's mark, before the manifest goes; older writers' claim too
+_DELETING = b"deleting"  # what delete_step's claim holds
 _CLAIM_TAG = b'{"cairn_claim": '  # how a claim at a manifest's key begins; a manifest never does
 
 
@@ -84,6 +88,10 @@ def _memory_context(ts: Any) -> Any:
         if not _MEMORY:
             _MEMORY.append(ts.Context())
         return _MEMORY[0]
+
+
+def _dot_segments(key: str) -> bool:
+    return any(part in (".", "..") for part in key.split("/"))
 
 
 def _successor(prefix: str) -> str:
@@ -143,10 +151,8 @@ class ObjectStore:
     def list_keys(self, prefix: str = "") -> list[str]:
         """Every key under `prefix`, sorted."""
         if prefix:
-            found = self._kv.list(self._ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
-        else:
-            found = self._kv.list().result()
-        return sorted(k.decode() for k in found)
+            return self.list_range(prefix, _successor(prefix))
+        return sorted(k.decode() for k in self._kv.list().result())
 
     def read(self, key: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
@@ -195,8 +201,33 @@ class ObjectStore:
         self.delete_range(prefix, _successor(prefix))
 
     def delete_range(self, start: str, stop: str) -> None:
-        """Delete every key k with start <= k < stop."""
-        self._kv.delete_range(self._ts.KvStore.KeyRange(start, stop)).result()
+        """Delete every key k with start <= k < stop, except keys with a `.` or `..` segment.
+
+        An HTTP client collapses dot segments of a request path before it sends it (TensorStore's
+        S3 driver does, against moto at least), so deleting the literal key ``a/../../x`` would
+        delete ``x`` beside the directory. Such keys are never cairn's (every name cairn writes
+        passes `check_relative`): they are left alone, with a warning, and the rest of the range
+        is deleted key by key around them."""
+        keys = self.list_range(start, stop)
+        odd = [k for k in keys if _dot_segments(k)]
+        if not odd:
+            self._kv.delete_range(self._ts.KvStore.KeyRange(start, stop)).result()
+            return
+        log.warning(
+            "cairn: %s: not deleting %d keys with '.' or '..' segments (not cairn's; a request "
+            "for them would reach outside the directory): %s",
+            self.url,
+            len(odd),
+            odd[:5],
+        )
+        futures = [self._kv.write(k, None) for k in keys if not _dot_segments(k)]
+        for future in futures:
+            future.result()
+
+    def list_range(self, start: str, stop: str) -> list[str]:
+        """Every key k with start <= k < stop, sorted."""
+        found = self._kv.list(self._ts.KvStore.KeyRange(start, stop)).result()
+        return sorted(k.decode() for k in found)
 
     def read_prefix(self, key: str, size: int) -> bytes | None:
         """The first `size` bytes of an object (one ranged GET), or None if it does not exist;
@@ -379,11 +410,11 @@ class KvStorage:
     def scan(self, names: StepNames) -> list[Listed]:
         """Committed steps: prefixes with a manifest (one LIST of the directory, then one GET
         per step's manifest and metrics)."""
-        return [listed for listed, _ in self._scan(names) if listed is not None]
+        return [listed for listed, _, _ in self._scan(names) if listed is not None]
 
-    def _scan(self, names: StepNames) -> list[tuple[Listed | None, str]]:
+    def _scan(self, names: StepNames) -> list[tuple[Listed | None, str, bool]]:
         """(the step, or None for a prefix a cairn writer claimed and never committed, its
-        name) for every step prefix."""
+        name, whether it holds a `.claim`) for every step prefix."""
         by_step: dict[int, set[str]] = {}
         for key in self.store.list_keys():
             head, sep, rest = key.partition("/")
@@ -407,7 +438,7 @@ class KvStorage:
                 strict=True,
             )
         )
-        found: list[tuple[Listed | None, str]] = []
+        found: list[tuple[Listed | None, str, bool]] = []
         read = iter(manifests)
         for step, name in zip(steps, stepnames, strict=True):
             rests = by_step[step]
@@ -416,10 +447,10 @@ class KvStorage:
                 # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say,
                 # an Orbax step) is not ours to delete, and not a step we can read.
                 if MANIFEST in rests or CLAIM in rests:
-                    found.append((None, name))
+                    found.append((None, name, CLAIM in rests))
                 continue
             listed = Listed(step, self.location(name), data, metrics=metrics.get(name))
-            found.append((listed, name))
+            found.append((listed, name, CLAIM in rests))
         return found
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:
@@ -437,15 +468,21 @@ class KvStorage:
 
     def clean_leftovers(self, names: StepNames) -> list[str]:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
-        lease); a step committed meanwhile stays."""
+        lease), and steps whose deletion a crash interrupted before their manifest went; a
+        step committed meanwhile stays."""
         removed = []
-        for listed, name in self._scan(names):
-            if listed is None:
-                data, generation = self.store.read_with_generation(f"{name}/{MANIFEST}")
-                if (data is None or data.startswith(_CLAIM_TAG)) and _take_and_remove(
-                    self.store, name, generation
-                ):
+        for listed, name, claimed in self._scan(names):
+            if listed is not None:
+                if claimed and self.store.read(f"{name}/{CLAIM}") == _DELETING:
+                    log.info("cairn: finishing the deletion of %s/%s", self.url, name)
+                    self._finish_deletion(name)
                     removed.append(name)
+                continue
+            data, generation = self.store.read_with_generation(f"{name}/{MANIFEST}")
+            if (data is None or data.startswith(_CLAIM_TAG)) and _take_and_remove(
+                self.store, name, generation
+            ):
+                removed.append(name)
         return removed
 
     def prepare(
@@ -465,12 +502,20 @@ class KvStorage:
 
     def delete_step(self, name: str) -> Reclaim | None:
         """A claim first (so that a crash part-way leaves a prefix the next writer knows as
-        cairn's and removes), then the manifest (from then on it is no step), then the rest."""
+        cairn's and removes), then the manifest (from then on it is no step), then every other
+        object, the claim last. A crash after the claim and before the manifest's deletion
+        leaves a committed step holding a deletion claim: the next writer finishes the job."""
         self.check_writer()
-        self.store.write(f"{name}/{CLAIM}", b"deleting")
-        self.store.delete(f"{name}/{MANIFEST}")
-        self.store.delete_prefix(f"{name}/")
+        self.store.write(f"{name}/{CLAIM}", _DELETING)
+        self._finish_deletion(name)
         return None
+
+    def _finish_deletion(self, name: str) -> None:
+        self.store.delete(f"{name}/{MANIFEST}")
+        claim = f"{name}/{CLAIM}"
+        self.store.delete_range(f"{name}/", claim)
+        self.store.delete_range(claim + "\0", _successor(f"{name}/"))
+        self.store.delete(claim)
 
     def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
         """The manifest that marks the item dropped replaces the old one (one object, replaced

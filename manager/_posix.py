@@ -290,11 +290,17 @@ class _Prepared:
         keeps other writers out)."""
         write_file(self._tmp, MANIFEST, manifest.to_bytes())
         fsync_tree(self._tmp)
+        appeared = StepAlreadyExistsError(
+            f"step {manifest.step}: {self._final} appeared on disk meanwhile"
+        )
         if os.path.lexists(self._final):
-            raise StepAlreadyExistsError(
-                f"step {manifest.step}: {self._final} appeared on disk meanwhile"
-            )
-        os.rename(self._tmp, self._final)  # the commit point
+            raise appeared
+        try:
+            os.rename(self._tmp, self._final)  # the commit point
+        except OSError as e:  # it appeared between the check and the rename (a non-empty dir)
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise appeared from None
+            raise
         fsync_dir(self._root)  # make the new name itself durable
 
     def abort(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import errno
 import functools
 import itertools
 import json
@@ -1042,19 +1041,6 @@ class TestPosix(StorageSuite):
     def can_store(self, key: str) -> bool:
         return ".." not in key.split("/")
 
-    def is_refusal(self, error: object) -> bool:
-        """Also OSError(ENOTEMPTY), in the few races that test_two_commits_past_the_check
-        makes certain (a bug; drop this once that test passes)."""
-        return super().is_refusal(error) or (
-            isinstance(error, OSError) and error.errno == errno.ENOTEMPTY
-        )
-
-    @pytest.mark.xfail(
-        strict=True,
-        reason="bug: PosixStorage's _Prepared.commit checks os.path.lexists(final) and then "
-        "renames: a commit past that check while another commit of the step renames gets "
-        "OSError(ENOTEMPTY) from os.rename, not StepAlreadyExistsError",
-    )
     def test_two_commits_past_the_check(
         self, place: Place, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -1252,21 +1238,8 @@ def _watched(method: Callable[..., Any], touched: list[str]) -> Callable[..., An
     return watched
 
 
-_DELETE_LEFTOVERS = (
-    "bug: KvStorage.delete_step leaves objects no writer removes: a crash after it wrote "
-    "'<step>/.claim' and before the manifest went leaves that claim in a step that stays "
-    "committed; a crash part-way through its delete_prefix (which removes '.claim', first in "
-    "key order, with the rest) leaves data objects with neither manifest nor claim, which "
-    "KvStorage.clean_leftovers does not count as cairn's"
-)
-
-
 class TestMemory(ObjectStoreSuite):
     listing_s_per_step = 0.005
-
-    test_a_crash_at_any_point_of_a_deletion_leaves_nothing = xfail_here(
-        StorageSuite.test_a_crash_at_any_point_of_a_deletion_leaves_nothing, _DELETE_LEFTOVERS
-    )
 
     @pytest.fixture
     def places(self) -> Callable[[str], Place]:
@@ -1282,10 +1255,6 @@ class TestS3(ObjectStoreSuite):
     many = 1_000
     rounds = 12
 
-    test_a_crash_at_any_point_of_a_deletion_leaves_nothing = xfail_here(
-        StorageSuite.test_a_crash_at_any_point_of_a_deletion_leaves_nothing, _DELETE_LEFTOVERS
-    )
-
     @pytest.fixture
     def places(self, s3_bucket: str, s3_endpoint: str) -> Callable[[str], Place]:
         root = f"{s3_bucket}/run"
@@ -1300,13 +1269,6 @@ class TestS3(ObjectStoreSuite):
     def test_listing_10000_steps(self, place: Place) -> None:
         self.check_listing(place, 10_000)
 
-    test_keys_with_dot_segments_stay_inside = xfail_here(
-        ObjectStoreSuite.test_keys_with_dot_segments_stay_inside,
-        "bug: KvStorage removes a prefix with ObjectStore.delete_range; TensorStore's S3 "
-        "driver deletes each listed key with a request whose path it resolves first, so "
-        "'<dir>/checkpoint_5/../../sentinel' deletes '<parent>/sentinel'",
-    )
-
 
 _GCS_CONDITIONS = (
     "fake-gcs-server ignores ifGenerationMatch on TensorStore's uploads and deletes "
@@ -1317,10 +1279,6 @@ _GCS_CONDITIONS = (
 class TestGcs(ObjectStoreSuite):
     many = 1_000
     rounds = 12
-
-    test_a_crash_at_any_point_of_a_deletion_leaves_nothing = xfail_here(
-        StorageSuite.test_a_crash_at_any_point_of_a_deletion_leaves_nothing, _DELETE_LEFTOVERS
-    )
 
     @pytest.fixture
     def places(self, gcs_bucket: str) -> Callable[[str], Place]:
