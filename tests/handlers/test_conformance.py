@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,25 @@ class HandlerContract:
             gate.release.set()
             mgr.wait_until_finished()
             got = mgr.restore(3, {"x": self.target()})
+        self.assert_restored(got["x"], self.sample())
+
+    def test_through_an_object_store(
+        self, handler: Handler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Written through the destination of an object store (TensorStore's in-memory kvstore)
+        and read back through its source, with no local directory to fall back on: the
+        temporary directory is a file, so anything staged locally would fail."""
+        blocker = tmp_path / "no-tmp"
+        blocker.write_bytes(b"")
+        monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+        obj = self.sample()
+        url = f"memory://conformance-{uuid.uuid4().hex}"
+        with CheckpointManager(url, handlers={"x": handler}) as mgr:
+            assert mgr.save(3, {"x": obj})
+            mgr.wait_until_finished()
+            self.mutate(obj)
+            got = mgr.restore(3, {"x": self.target()})
+            assert mgr.verify(3) == []
         self.assert_restored(got["x"], self.sample())
 
 
