@@ -125,13 +125,13 @@ class CheckpointManager:
     directory -- in submission order, so they never interleave. `save()` returns after the
     snapshot phase; at most `max_pending` saves are in flight, and a further save waits (counted as
     blocked time). State shared with the commit thread (the `Catalog` of known steps and steps in
-    flight, errors) is guarded by locks. An error on the commit thread is kept and raised once, as CommitError with
-    the original chained, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
-    A deleted step leaves the directory's listing on the commit thread (on POSIX renamed to
-    ``.trash-*``); a second thread ("cairn-reclaim") then frees its space, and `close` waits for
-    it. Every byte goes through the directory's `Storage` (POSIX, object store, memory); the
-    manager never asks which one it is. Background
-    threads run at a lower CPU priority (nice 10), so a training step on busy cores goes first.
+    flight; the errors) is guarded by locks. An error on the commit thread is kept and raised
+    once, as CommitError with the original chained, by the next `save`, `wait_until_finished`,
+    `check_for_errors` or `close`. A deleted step leaves the directory's listing on the commit
+    thread (on POSIX renamed to ``.trash-*``); a second thread ("cairn-reclaim") then frees its
+    space, and `close` waits for it. Background threads run at a lower CPU priority (nice 10), so
+    a training step on busy cores goes first. Every byte goes through the directory's `Storage`
+    (POSIX, object store, memory); the manager never asks which one it is.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError
