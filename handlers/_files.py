@@ -429,7 +429,11 @@ class Destination(abc.ABC):
             check_relative(record.path)
             with self._written_lock:
                 written = self._written.get(record.path)
-            if written is None or written is _PENDING:
+            if written is _PENDING:
+                raise ValueError(
+                    f"handler {handler_id!r} returned {record.path!r}, whose file it never closed"
+                )
+            if written is None:
                 out.append(self._adopt(handler_id, record))
                 continue
             if record.size != written.size:

@@ -1,0 +1,93 @@
+"""Destination and Source: what a write phase may return, and what a read may trust."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from pathlib import Path
+
+import pytest
+
+from cairn.handlers import FileRecord, LocalDestination, LocalSource, StoredItem
+from cairn.handlers.errors import CorruptCheckpointError
+from cairn.handlers.io import ChecksummedFile, content_hash
+
+
+def test_records_must_be_what_was_written(tmp_path: Path) -> None:
+    dest = LocalDestination(tmp_path / "item")
+    good = dest.write_file("a", [b"ab", memoryview(b"cd")])
+    assert good == FileRecord("a", 4, xxh3_128=content_hash(b"abcd"))
+    assert (tmp_path / "item" / "a").read_bytes() == b"abcd"
+    assert dest.finish("h", [good]) == (good,)
+    assert dest.finish("h", [FileRecord("a", 4)]) == (good,)  # the hash is filled in
+    with pytest.raises(ValueError, match="it wrote 4"):
+        dest.finish("h", [FileRecord("a", 5, xxh3_128=good.xxh3_128)])
+    with pytest.raises(ValueError, match="not the one of the bytes it wrote"):
+        dest.finish("h", [FileRecord("a", 4, xxh3_128=content_hash(b"abce"))])
+    with pytest.raises(ValueError, match="did not write"):
+        dest.finish("h", [FileRecord("b", 1, xxh3_128=content_hash(b"b"))])
+    with pytest.raises(ValueError, match="twice"):
+        dest.finish("h", [good, good])
+    with pytest.raises(TypeError, match="not a FileRecord"):
+        dest.finish("h", ["a"])  # type: ignore[list-item]
+
+
+def test_paths_are_written_once_and_inside(tmp_path: Path) -> None:
+    dest = LocalDestination(tmp_path / "item")
+    dest.write_file("x/y", b"1")
+    with pytest.raises(ValueError, match="written twice"):
+        dest.write_file("x/y", b"2")
+    for bad in ("../z", "/abs", "a//b", "a/./b", ""):
+        with pytest.raises(ValueError, match="relative"):
+            dest.write_file(bad, b"")
+    assert not (tmp_path / "z").exists()
+
+
+def test_a_file_never_closed_is_refused(tmp_path: Path) -> None:
+    dest = LocalDestination(tmp_path / "item")
+    f = dest.create("open")
+    f.write(b"half")
+    with pytest.raises(ValueError, match="never closed"):
+        dest.finish("h", [FileRecord("open", 4, xxh3_128=content_hash(b"half"))])
+    f.close()
+    assert dest.finish("h", [f.record]) == (f.record,)
+
+
+def test_a_file_written_through_the_path_is_adopted(tmp_path: Path) -> None:
+    """Code that treats the destination as a directory (older handlers) still works."""
+    dest = LocalDestination(tmp_path / "item")
+    with ChecksummedFile(dest, "legacy") as f:
+        f.write(b"old style")
+    (dest / "plain").write_bytes(b"no record")
+    records = dest.finish("h", [f.record, FileRecord("plain", 9)])
+    assert records[1].xxh3_128 == content_hash(b"no record")
+    assert os.fspath(dest) == str(tmp_path / "item")
+
+
+def test_many_threads_write_through_one_destination(tmp_path: Path) -> None:
+    dest = LocalDestination(tmp_path / "item")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        records = list(pool.map(lambda i: dest.write_file(f"d{i % 7}/{i}", bytes([i])), range(200)))
+    assert dest.finish("h", records) == tuple(records)
+    assert sorted(p.name for p in (tmp_path / "item").rglob("*") if p.is_file()) == sorted(
+        str(i) for i in range(200)
+    )
+
+
+def test_reads_never_take_more_than_the_manifest_says(tmp_path: Path) -> None:
+    dest = LocalDestination(tmp_path / "item")
+    record = dest.write_file("f", b"0123456789")
+    stored = StoredItem(LocalSource(tmp_path / "item"), {"f": record}, 3, "x")
+    assert stored.read_bytes("f") == b"0123456789"
+    buffers = [memoryview(bytearray(4)), memoryview(bytearray(6))]
+    stored.read_into("f", buffers)
+    assert bytes(buffers[0]) + bytes(buffers[1]) == b"0123456789"
+    (tmp_path / "item" / "f").write_bytes(b"0123456789" + b"x" * (1 << 20))  # it grew
+    for read in (lambda: stored.read_bytes("f"), lambda: stored.read_into("f", buffers)):
+        with pytest.raises(CorruptCheckpointError, match=r"step 3, item 'x'.*bytes"):
+            read()
+    (tmp_path / "item" / "f").unlink()
+    with pytest.raises(CorruptCheckpointError, match="is missing"):
+        stored.read_bytes("f")
+    with pytest.raises(CorruptCheckpointError, match="not in the manifest"):
+        stored.read_bytes("g")
