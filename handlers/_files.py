@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, TypeGuard
 
 import crc32c
+import numpy as np
 import xxhash
 
 from cairn.handlers.errors import CorruptCheckpointError
@@ -618,13 +619,15 @@ class Source(abc.ABC):
     def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
         """Fill `buffers` in order from the file; the bytes read (at most their total + 1)."""
         total = sum(b.nbytes for b in buffers)
-        data = memoryview(self.read(relpath, total))
+        data = np.frombuffer(self.read(relpath, total), np.uint8)
         offset = 0
         for buffer in buffers:
-            n = min(buffer.nbytes, data.nbytes - offset)
-            buffer[:n] = data[offset : offset + n]
+            n = min(buffer.nbytes, data.size - offset)
+            # np.copyto releases the GIL (a memoryview slice assignment does not): reads of
+            # several chunks at once copy in parallel.
+            np.copyto(np.frombuffer(buffer, np.uint8, n), data[offset : offset + n])
             offset += n
-        return data.nbytes
+        return int(data.size)
 
     @abc.abstractmethod
     def local_directory(self, relpaths: Sequence[str]) -> Path:

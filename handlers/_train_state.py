@@ -532,7 +532,7 @@ def _subtree(tree: Mapping[str, Any], key: str | int, whole: tuple[str | int, ..
 class _LeafReader:
     """Reads one stored leaf, whole or by slices, from its chunk files.
 
-    Nothing is allocated before the leaf's metadata is checked against the files (`_check`):
+    Nothing is allocated before the leaf's metadata is checked against the files (`check`):
     ``zarr.json`` must be what this layout writes for the shape, dtype and chunk shape in
     ``tree.json``, and every chunk of the grid must be listed in the manifest at its exact size,
     so an array is never larger than the files that hold it. Each chunk file read is checked
@@ -554,7 +554,8 @@ class _LeafReader:
     def describe(self, relpath: str) -> str:
         return f"{self.stored.describe_file(relpath)} (leaf {keystr(self.path)})"
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Check the leaf's metadata and files (once; before anything is allocated)."""
         if self._checked:
             return
         base = self.node["f"]
@@ -591,7 +592,7 @@ class _LeafReader:
 
     def read(self, index: tuple[slice, ...] = ()) -> _Read:
         """A future of the data in `index` (whole leaf by default), as np.ndarray."""
-        self._check()
+        self.check()
         region = index or tuple(slice(0, n) for n in self.shape)
         return _Read(self, region)
 
@@ -733,7 +734,18 @@ def _child(target: Any, key: str | int) -> Any:
 
 
 def _materialize(state: Any, target: Any) -> Any:
-    """Read every lazy leaf: start all reads first (the read pool runs them in parallel), then wait."""
+    """Read every lazy leaf: check every leaf's metadata first, then start all reads (the read
+    pool runs both in parallel: on an object store each check is a request), then wait."""
+    readers: list[_LeafReader] = []
+    _map_with_target(
+        state,
+        None,
+        lambda leaf, _: readers.append(
+            leaf._reader if isinstance(leaf, LazyArray) else leaf.reader
+        ),
+    )
+    for _ in _read_pool().map(_LeafReader.check, readers):
+        pass
     started = _map_with_target(state, target, _start_read)
     return _map_with_target(started, None, lambda finish, _: finish(), is_leaf=callable)
 
