@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -606,7 +606,7 @@ class _KvDestination(Destination):
     """An item's prefix in the store: each file one PUT, straight from the handler's buffers
     (joined into one bytes object, which TensorStore's write takes)."""
 
-    def __init__(self, storage: KvStorage, prefix: str, staging: Any) -> None:
+    def __init__(self, storage: KvStorage, prefix: str, staging: Callable[[], Path]) -> None:
         super().__init__()
         self._storage, self._prefix, self._staging = storage, prefix, staging
         self._local: Path | None = None
