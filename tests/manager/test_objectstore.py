@@ -4,6 +4,7 @@ steps copied between a disk and a bucket). What every backend must do is in test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -443,3 +444,26 @@ def test_a_save_whose_claim_was_removed_commits_nothing(
         a.save(1, {"state": state(1), "x": "second"})  # the lease is intact: saves go on
         a.wait_until_finished()
         assert a.all_steps() == [1] and a.restore(1)["x"] == "second"
+
+
+@pytest.mark.parametrize("change", ["delete", "record_metrics", "save"])
+def test_a_writer_that_lost_its_lease_changes_nothing(change: str) -> None:
+    """Not only commits check the lease: a delete and late metrics by a writer whose lease
+    another writer took over raise DirectoryLockedError and change nothing, as a save does."""
+    url = f"memory://lost-{change}-{os.getpid()}-{time.monotonic_ns()}"
+    with CheckpointManager(url, async_save=False) as mgr:
+        mgr.save(1, {"state": {"w": np.arange(3)}, "extra": {"x": 1}}, metrics={"loss": 1.0})
+        store = put_lease(url, "elsewhere:123:abcdef01", time.time() + 600)  # taken over
+        before = {k: store.read(k) for k in store.list_keys() if k != LOCK}
+        with pytest.raises((DirectoryLockedError, CommitError), match="lease"):
+            if change == "delete":
+                mgr.delete(1)
+            elif change == "record_metrics":
+                mgr.record_metrics(1, {"eval": 2.0})
+            else:
+                mgr.save(2, {"state": {"w": np.arange(3)}, "extra": {"x": 2}})
+        after = {k: store.read(k) for k in store.list_keys() if k != LOCK}
+        assert after == before
+        assert lease_of(store)["owner"] == "elsewhere:123:abcdef01"
+        with contextlib.suppress(DirectoryLockedError, CommitError):
+            mgr.close()
