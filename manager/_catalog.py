@@ -66,10 +66,14 @@ class Catalog:
 
     Threads: the caller thread reads and the commit thread changes it; every method takes the
     one lock, and records handed out are changed only under it (`update`).
+
+    With `journal` (the primary of several processes) it also notes which steps changed, so the
+    other processes can read just those again (`changes`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, journal: bool = False) -> None:
         self._lock = threading.Lock()
+        self._journal: dict[int, bool] | None = {} if journal else None  # step: still there
         self._steps: dict[int, StepRecord] = {}
         self._inflight: set[int] = set()
         self._commit_telemetry: dict[int, dict[str, float]] = {}
@@ -120,6 +124,7 @@ class Catalog:
             self._inflight.discard(step)
             if record is not None:
                 self._steps[step] = record
+                self._note(step, True)
             if telemetry is not None:
                 self._commit_telemetry[step] = telemetry
 
@@ -127,6 +132,20 @@ class Catalog:
         with self._lock:
             self._steps.pop(step, None)
             self._commit_telemetry.pop(step, None)
+            self._note(step, False)
+
+    def _note(self, step: int, present: bool) -> None:
+        if self._journal is not None:
+            self._journal[step] = present
+
+    def changes(self) -> tuple[list[int], list[int]]:
+        """(steps changed or added, steps removed) since the last call; needs `journal`."""
+        with self._lock:
+            assert self._journal is not None, "this catalog keeps no journal"
+            changed = sorted(s for s, present in self._journal.items() if present)
+            gone = sorted(s for s, present in self._journal.items() if not present)
+            self._journal.clear()
+            return changed, gone
 
     def update(
         self,
@@ -145,6 +164,7 @@ class Catalog:
                 rec.manifest, rec.error = manifest, error
             if late_metrics is not None:
                 rec.late_metrics = late_metrics
+            self._note(step, True)
 
     def metrics(self, step: int) -> dict[str, float]:
         with self._lock:

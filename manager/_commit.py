@@ -16,7 +16,7 @@ from cairn.handlers import FileRecord, Handler, Snapshot
 from cairn.handlers.io import writing_as
 from cairn.manager._format import ItemEntry, Manifest, StepNames
 from cairn.manager._multihost import SINGLE, Processes
-from cairn.manager._storage import Prepared, Storage
+from cairn.manager._storage import Storage
 
 log = logging.getLogger("cairn")
 
@@ -51,12 +51,13 @@ def commit_step(
     `prepare`). A reader, or a restart after SIGKILL, sees either no step or a complete one.
 
     With several processes (`procs`, all calling this with the same `job.tmp_name`): the primary
-    prepares the step; every process writes its shards and its list of files, makes them
-    durable and reports ok or its error; a barrier; then the primary alone checks the reports,
-    merges the lists into the manifest and commits. A process that never arrives makes the
-    others raise BarrierTimeoutError and nothing is committed. Returns the manifest on the
-    primary, None on the others (the manager's commit thread then waits for the primary's
-    outcome broadcast).
+    prepares the step; every process writes its shards, makes them durable and reports its list
+    of files, or its error, through the coordination service; a barrier; then the primary alone
+    reads the reports (one request), merges the lists into the manifest and commits. Nothing
+    step-level is written to the storage by any other process, and no process lists it. A
+    process that never arrives makes the others raise BarrierTimeoutError and nothing is
+    committed. Returns the manifest on the primary, None on the others (the manager's commit
+    thread then waits for the primary's outcome broadcast).
     """
     t0 = time.monotonic()
     name = names.format(job.step)
@@ -65,7 +66,7 @@ def commit_step(
     if procs.primary:
         storage.check_writer()
         step = storage.prepare(name, tmp_name, job.snapshots, create=True)
-    procs.barrier(f"{key}/created", timeout_s)
+    procs.barrier(f"{key}/created", timeout_s)  # nobody writes before the step is claimed
     if not procs.primary:
         step = storage.prepare(name, tmp_name, job.snapshots, create=False)
     try:
@@ -77,25 +78,19 @@ def commit_step(
                     dest = step.destination(item)
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
             if procs.count > 1:
-                listing = {n: [f.to_json() for f in r] for n, r in records.items()}
-                step.write_file(f".process-{procs.index}.json", json.dumps(listing).encode())
                 step.sync()  # each process makes its own writes durable, on its own host
         except Exception as e:
             if procs.count == 1:
                 raise
             error = e
         if procs.count > 1:
-            outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-            procs.report(f"{key}/written", outcome)
+            procs.report(f"{key}/written", _report(records, error))
             procs.barrier(f"{key}/written", timeout_s)
             if error is not None:
                 raise error
             if not procs.primary:
                 return None
-            for index, report in enumerate(procs.reports(f"{key}/written", timeout_s)):
-                if report != "ok":
-                    raise RuntimeError(f"process {index} failed to write step {job.step}: {report}")
-            _merge_listings(step, records, procs.count)
+            _merge_reports(records, procs.reports(f"{key}/written"), procs.index, job.step)
         manifest = build_manifest(job, records, time.monotonic() - t0)
         step.commit(manifest)  # the commit point
     except BaseException:
@@ -105,15 +100,26 @@ def commit_step(
     return manifest
 
 
-def _merge_listings(step: Prepared, records: dict[str, tuple[FileRecord, ...]], count: int) -> None:
-    """The primary adds the other processes' lists of files to its own records; two processes
-    must never have written one file."""
-    for index in range(1, count):
-        listing = json.loads(step.read_file(f".process-{index}.json"))
-        for name, entries in listing.items():
+def _report(records: Mapping[str, tuple[FileRecord, ...]], error: Exception | None) -> str:
+    """What one process tells the primary after its write phase: its files, or its error."""
+    if error is not None:
+        return json.dumps({"error": f"{type(error).__name__}: {error}"})
+    return json.dumps({"files": {n: [f.to_json() for f in r] for n, r in records.items()}})
+
+
+def _merge_reports(
+    records: dict[str, tuple[FileRecord, ...]], reports: list[str], me: int, step: int
+) -> None:
+    """The primary adds the other processes' files to its own records; RuntimeError if one of
+    them failed, or if two processes wrote one file."""
+    for index, text in enumerate(reports):
+        report = json.loads(text)
+        if "error" in report:
+            raise RuntimeError(f"process {index} failed to write step {step}: {report['error']}")
+        if index == me:
+            continue
+        for name, entries in report["files"].items():
             records[name] += tuple(FileRecord.from_json(f) for f in entries)
-        step.remove_file(f".process-{index}.json")
-    step.remove_file(".process-0.json")
     for name, merged in records.items():
         paths = [f.path for f in merged]
         if len(set(paths)) != len(paths):

@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -63,6 +64,7 @@ from cairn.manager._validate import (
     check_items,
     check_keep_items,
     check_max_pending,
+    check_primary_process,
 )
 
 log = logging.getLogger("cairn")
@@ -153,6 +155,7 @@ class CheckpointManager:
         max_pending: int = 1,
         read_only: bool = False,
         barrier_timeout: float = 300.0,
+        primary_process: int = 0,
         storage_options: Mapping[str, Any] | None = None,
         tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -179,8 +182,9 @@ class CheckpointManager:
             raise TypeError(f"tensorboard_dir must be a path, got {tensorboard_dir!r}")
         # Writers of a jax.distributed run coordinate; readers need not, but restore each
         # process's own per-process data (iterator positions).
-        self._procs = SINGLE if read_only else Processes.detect()
-        self._me = Processes.detect() if read_only else self._procs
+        primary = check_primary_process(primary_process)
+        self._procs = SINGLE if read_only else Processes.detect(primary)
+        self._me = Processes.detect(primary) if read_only else self._procs
         self._calls = 0  # collective calls so far: the same sequence on every process
 
         self._storage = open_storage(target, storage_options)
@@ -188,9 +192,11 @@ class CheckpointManager:
         if self._procs.count > 1 and not self._storage.multi_process:
             self._storage.close()
             raise ValueError(
-                f"directory {self._where!r}: object stores are single-process in this version"
+                f"directory {self._where!r} lives in this process's memory; the other "
+                f"{self._procs.count - 1} processes of this jax.distributed run cannot see it "
+                "(use a shared filesystem, s3:// or gs://)"
             )
-        self._catalog = Catalog()
+        self._catalog = Catalog(journal=self._procs.count > 1 and self._procs.primary)
         self._errors_lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -414,12 +420,12 @@ class CheckpointManager:
                 )
                 if manifest is None:  # not the primary: wait for its word
                     outcome = procs.broadcast(outcome_key, None, self._timeout)
-                    if outcome != "ok":
+                    if not outcome.startswith("ok "):
                         raise RuntimeError(
                             f"the primary process did not commit step {job.step}: {outcome}"
                         )
-                    self._catalog.replace(self._scan())
                     self._catalog.committed(job.step, None)
+                    self._apply_changes(outcome[3:])
                     procs.barrier(f"{outcome_key}/read", self._timeout)  # see below
                     return
             except BaseException as e:
@@ -454,10 +460,11 @@ class CheckpointManager:
                 self._keep_error(f"retention after step {job.step}", e)
             finally:
                 if procs.count > 1:  # committed; retention done or failed on its own
-                    procs.broadcast(outcome_key, "ok", self._timeout)
+                    procs.broadcast(outcome_key, f"ok {self._changes()}", self._timeout)
                     # The next change (a delete, another commit's retention) waits until the
-                    # others have read the directory, or they could see a step half gone.
+                    # others have read what changed, or they could see a step half gone.
                     procs.barrier(f"{outcome_key}/read", self._timeout)
+                    procs.forget(f"cairn/{job.tmp_name}")
         finally:
             self._slots.release()
 
@@ -513,23 +520,47 @@ class CheckpointManager:
 
     def _together(self, what: str, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn` (which changes the directory only on the primary), then, with several processes,
-        a barrier after which the others read the directory again, and a second one so the
-        primary's next change cannot race with that reading. Call on the caller thread."""
-        if self._procs.count == 1:
+        the primary's broadcast of the steps that changed, which the others read again, and a
+        barrier so the primary's next change cannot race with that reading. Call on the caller
+        thread."""
+        procs = self._procs
+        if procs.count == 1:
             return fn
-        barrier = self._collective(what)
+        key = self._collective(what)
 
         def run() -> None:
             try:
                 fn()
             finally:
-                self._procs.barrier(f"{barrier}/changed", self._timeout)
-                if not self._procs.primary:
-                    self._catalog.replace(self._scan())
-                # and the primary changes nothing more until everyone has read the directory
-                self._procs.barrier(f"{barrier}/read", self._timeout)
+                mine = self._changes() if procs.primary else None
+                changes = procs.broadcast(f"{key}/changed", mine, self._timeout)
+                if not procs.primary:
+                    self._apply_changes(changes)
+                # and the primary changes nothing more until everyone has read what changed
+                procs.barrier(f"{key}/read", self._timeout)
+                if procs.primary:
+                    procs.forget(key)
 
         return run
+
+    def _changes(self) -> str:
+        """Primary: the steps its catalog changed since the last call (committed, deleted, items
+        dropped, metrics merged), for the other processes."""
+        changed, gone = self._catalog.changes()
+        return json.dumps({"changed": changed, "gone": gone})
+
+    def _apply_changes(self, text: str) -> None:
+        """Another process: forget the steps the primary deleted and read again the ones it
+        changed (a manifest and a metrics read each), instead of listing the directory."""
+        changes = json.loads(text)
+        for step in changes["gone"]:
+            self._catalog.remove(step)
+        for step in changes["changed"]:
+            listed = self._storage.read_step(self._names, step)
+            if listed is None:
+                self._catalog.remove(step)
+            else:
+                self._catalog.committed(step, read_record(listed))
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""

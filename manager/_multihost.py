@@ -12,37 +12,46 @@ The manager uses it for multi-process saves (docs/multihost.md).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from typing import Any
 
 from cairn.handlers.errors import BarrierTimeoutError
+
+log = logging.getLogger("cairn")
 
 __all__ = ["SINGLE", "Processes"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Processes:
-    """This process's index among `count` processes; index 0 is the primary."""
+    """This process's index among `count` processes, and which of them is the primary (the one
+    that changes the directory and commits; process 0 unless chosen otherwise)."""
 
     index: int = 0
     count: int = 1
     client: Any = dataclasses.field(default=None, repr=False, compare=False)
+    primary_index: int = 0
 
     @classmethod
-    def detect(cls) -> Processes:
-        """The processes of an initialised ``jax.distributed`` run, else a single process."""
-        if "jax" not in sys.modules:
-            return cls()
-        from jax._src import distributed
+    def detect(cls, primary: int = 0) -> Processes:
+        """The processes of an initialised ``jax.distributed`` run, else a single process;
+        ValueError if `primary` is not one of its process indices."""
+        count, found = 1, cls()
+        if "jax" in sys.modules:
+            from jax._src import distributed
 
-        state = distributed.global_state
-        if state.client is None or not state.num_processes or state.num_processes <= 1:
-            return cls()
-        return cls(int(state.process_id), int(state.num_processes), state.client)
+            state = distributed.global_state
+            if state.client is not None and state.num_processes and state.num_processes > 1:
+                count = int(state.num_processes)
+                found = cls(int(state.process_id), count, state.client)
+        if not 0 <= primary < count:
+            raise ValueError(f"primary_process={primary!r}: this run has processes 0..{count - 1}")
+        return dataclasses.replace(found, primary_index=primary)
 
     @property
     def primary(self) -> bool:
-        return self.index == 0
+        return self.index == self.primary_index
 
     def barrier(self, name: str, timeout_s: float) -> None:
         """Wait until every process reaches `name`; BarrierTimeoutError after `timeout_s`."""
@@ -80,21 +89,32 @@ class Processes:
         if self.count > 1:
             self._set(f"{name}/{self.index}", value)
 
-    def reports(self, name: str, timeout_s: float) -> list[str]:
-        """Every process's `report` under `name`, in process order."""
+    def reports(self, name: str) -> list[str]:
+        """Every process's `report` under `name`, in process order, in one request to the
+        coordination service; call it after a barrier that follows every report. The reports
+        are deleted from the service once read."""
         if self.count == 1:
             raise ValueError(f"reports {name!r}: a single process has nobody to hear from")
-        out = []
-        for index in range(self.count):
+        try:
+            found = dict(self.client.key_value_dir_get(f"{name}/"))
+        except Exception as e:
+            raise BarrierTimeoutError(
+                f"process {self.index}: could not read the reports {name!r} ({_first_line(e)})"
+            ) from e
+        self.forget(name)
+        missing = [i for i in range(self.count) if f"{name}/{i}" not in found]
+        if missing:
+            raise BarrierTimeoutError(f"processes {missing} did not report {name!r}")
+        return [str(found[f"{name}/{i}"]) for i in range(self.count)]
+
+    def forget(self, name: str) -> None:
+        """Delete the key `name` and every key under ``name/`` from the coordination service
+        (which keeps every key until then, in process 0's memory)."""
+        if self.count > 1:
             try:
-                out.append(
-                    str(self.client.blocking_key_value_get(f"{name}/{index}", _millis(timeout_s)))
-                )
-            except Exception as e:
-                raise BarrierTimeoutError(
-                    f"process {index} did not report {name!r} within {timeout_s:g} s ({_first_line(e)})"
-                ) from e
-        return out
+                self.client.key_value_delete(name)
+            except Exception as e:  # the service is gone; nothing to free
+                log.debug("cairn: could not delete %r from the coordination service: %r", name, e)
 
     def _set(self, name: str, value: str) -> None:
         try:

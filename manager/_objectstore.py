@@ -362,14 +362,18 @@ class KvStorage:
 
     Keys are relative to the directory's prefix ("checkpoint_5/_CHECKPOINT.json"). Threads:
     TensorStore's kvstore is thread-safe; the manager calls this from its caller and commit
-    threads. Single-process writers in this version (multi-process saves are issue 19).
-    """
+    threads.
 
-    multi_process = False
+    Several processes of one job (docs/multihost.md) share one writer: the primary holds the
+    lease, claims each step and commits it; every other process only PUTs its own files into
+    the claimed prefix (`prepare(..., create=False)` sends no request) and reads.
+    """
 
     def __init__(self, url: str, options: StorageOptions) -> None:
         self.store = ObjectStore(url, options)
         self.url = self.directory = self.store.url
+        # memory:// is one process's memory: other processes cannot see it.
+        self.multi_process = not url.startswith("memory://")
         self.lease: Lease | None = None
         self._local: Path | None = None  # staging of path-writing handlers, downloads
         self._local_lock = threading.Lock()
@@ -488,11 +492,13 @@ class KvStorage:
     def prepare(
         self, name: str, tmp_name: str, items: Iterable[str], *, create: bool
     ) -> _KvPrepared:
-        """Claim the step: a claim object created at the manifest's key only if absent, so a
-        second writer racing for the same step stops before it uploads anything."""
+        """Claim the step (`create`, on the primary): a claim object created at the manifest's
+        key only if absent, so a second writer racing for the same step stops before it uploads
+        anything. The other processes of the job write into the prefix their primary claimed,
+        and send nothing here."""
         del tmp_name, items  # no temporary name: the prefix is invisible until the manifest
-        assert create, "object stores are single-process in this version"
-        self.check_writer()
+        if not create:
+            return _KvPrepared(self, name, None)
         claim = self.store.create(f"{name}/{MANIFEST}", _claim("saving"))
         if claim is None:
             raise StepAlreadyExistsError(
@@ -552,18 +558,6 @@ class _KvPrepared:
         if self._staging is None:
             self._staging = Path(tempfile.mkdtemp(prefix="stage-", dir=self._storage.local_dir()))
         return self._staging
-
-    def write_file(self, relpath: str, data: bytes) -> None:
-        self._store.write(f"{self._name}/{relpath}", data)
-
-    def read_file(self, relpath: str) -> bytes:
-        data = self._store.read(f"{self._name}/{relpath}")
-        if data is None:
-            raise FileNotFoundError(f"{self._storage.url}/{self._name}/{relpath}")
-        return data
-
-    def remove_file(self, relpath: str) -> None:
-        self._store.delete(f"{self._name}/{relpath}")
 
     def sync(self) -> None:
         """Every PUT is durable once it returned."""

@@ -271,15 +271,6 @@ class _Prepared:
     def destination(self, item: str) -> Destination:
         return LocalDestination(self._tmp / item)
 
-    def write_file(self, relpath: str, data: bytes) -> None:
-        write_file(self._tmp, relpath, data)
-
-    def read_file(self, relpath: str) -> bytes:
-        return (self._tmp / relpath).read_bytes()
-
-    def remove_file(self, relpath: str) -> None:
-        (self._tmp / relpath).unlink()
-
     def sync(self) -> None:
         fsync_tree(self._tmp)
 

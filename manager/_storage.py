@@ -48,21 +48,13 @@ class Prepared(Protocol):
     """One step being written, not visible to any reader until `commit`.
 
     Every process of a multi-process save gets one for the same step (the primary's `prepare`
-    creates it); each writes its items' files through `destination` and may leave step-level
-    files (its list of files) with `write_file`, which the primary reads and removes.
+    creates it); each writes its items' files through `destination`, and only the primary
+    commits or aborts.
     """
 
     def destination(self, item: str) -> Destination:
         """Where the write phase of `item` puts its files."""
         ...
-
-    def write_file(self, relpath: str, data: bytes) -> None:
-        """A step-level file (not an item's), e.g. one process's list of files."""
-        ...
-
-    def read_file(self, relpath: str) -> bytes: ...
-
-    def remove_file(self, relpath: str) -> None: ...
 
     def sync(self) -> None:
         """Make everything this process wrote into the step durable."""

@@ -64,6 +64,12 @@ def check_max_pending(value: Any) -> int:
     return value
 
 
+def check_primary_process(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"primary_process must be a process index (an int >= 0), got {value!r}")
+    return value
+
+
 def check_barrier_timeout(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"barrier_timeout must be a positive number of seconds, got {value!r}")

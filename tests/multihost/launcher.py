@@ -18,11 +18,16 @@ def free_port() -> int:
 
 
 def launch(
-    scenario: str, directory: Path, count: int = 2, timeout: float = 180
+    scenario: str,
+    directory: Path | str,
+    count: int = 2,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `count` workers of `scenario` to completion; their results, in process order."""
+    """Run `count` workers of `scenario` to completion; their results, in process order.
+    `directory` is a path or an object-store URL (the servers' settings are in os.environ)."""
     port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(env or {})}
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(i), str(count), port, str(directory)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -53,14 +54,14 @@ def main() -> None:
             print(f"timeout after {time.monotonic() - t0:.1f} s: {e}", flush=True)
         else:
             raise AssertionError("the barrier passed with a dead peer")
-    elif scenario in ("save", "kill-0", "kill-1", "resume", "clock"):
+    elif scenario in ("save", "kill", "resume", "clock"):
         run_manager(scenario, procs, directory)
     elif scenario == "iterators":
         per_process_iterators(procs, directory)
     elif scenario == "preempt":
         preempt(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
-    if scenario == "peer-dies" or scenario.startswith("kill"):
+    if scenario in ("peer-dies", "kill"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
     jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
 
@@ -88,7 +89,7 @@ def per_process_iterators(procs: Any, directory: str) -> None:
         assert take(got) == take(advanced(Shuffled(seed=procs.index), position(2)))
         assert mgr.info(1).items["data"].dropped and not mgr.info(2).items["data"].dropped
         assert list(mgr.restore(1)) == ["w"]
-    print("files", sorted(os.listdir(os.path.join(directory, "checkpoint_2", "data"))), flush=True)
+        print("files", sorted(mgr.info(2).items["data"].files), flush=True)
 
 
 def preempt(procs: Any, directory: str) -> None:
@@ -111,15 +112,94 @@ def preempt(procs: Any, directory: str) -> None:
                 break
 
 
+def install_kill(kill: str, procs: Any) -> None:
+    """CAIRN_TEST_KILL="<victim>:<point>": SIGKILL the victim at that point of the save of step 3.
+
+    Points: "upload" (after its second file of the step), "written" (after its write phase,
+    before it reports), "reported" (after it reported ok, before the barrier), "manifest" (the
+    primary, once every report is in, before the commit; another process, while it waits for the
+    outcome), "committed" (the primary, right after the commit point, before the outcome).
+    """
+    from cairn.handlers import Destination
+    from cairn.manager import _commit
+    from cairn.manager._multihost import Processes
+    from cairn.manager._objectstore import _KvPrepared
+    from cairn.manager._posix import _Prepared
+
+    victim, point = kill.split(":")
+    if int(victim) != procs.index:
+        return
+    saving = {"step": -1}
+    lock = threading.Lock()
+
+    def die() -> None:
+        print(f"killing myself at {point}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(cls: Any, name: str, *, before: bool, when: Any = lambda *a, **k: True) -> None:
+        original = getattr(cls, name)
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            with lock:  # writer threads call write_file at once
+                fire = saving["step"] == 3 and when(*args, **kwargs)
+            if fire and before:
+                die()
+            out = original(*args, **kwargs)
+            if fire:
+                die()
+            return out
+
+        setattr(cls, name, patched)
+
+    commit_step = _commit.commit_step
+
+    def tracking(storage: Any, names: Any, job: Any, *args: Any, **kwargs: Any) -> Any:
+        saving["step"] = job.step
+        if job.step == 3 and point == "written":
+            for item, (handler, snapshot) in list(job.snapshots.items()):
+                job.snapshots[item] = (handler, _DieAfter(snapshot, die))  # type: ignore[index]
+        return commit_step(storage, names, job, *args, **kwargs)
+
+    _commit.commit_step = tracking
+    uploads = {"n": 0}
+
+    def second_upload(*args: Any, **kwargs: Any) -> bool:
+        uploads["n"] += 1
+        return uploads["n"] == 2
+
+    if point == "upload":
+        wrap(Destination, "write_file", before=False, when=second_upload)
+    elif point == "reported":
+        wrap(Processes, "report", before=False)
+    elif point == "manifest" and procs.primary:
+        wrap(_commit, "build_manifest", before=True)
+    elif point == "manifest":
+        wrap(Processes, "broadcast", before=True, when=lambda self, name, *a: "outcome" in name)
+    elif point == "committed":
+        wrap(_Prepared, "commit", before=False)
+        wrap(_KvPrepared, "commit", before=False)
+
+
+class _DieAfter:
+    def __init__(self, inner: Any, die: Any) -> None:
+        self._inner, self._die = inner, die
+
+    def write(self, dest: Any) -> Any:
+        records = self._inner.write(dest)
+        self._die()
+        return records
+
+
 def run_manager(scenario: str, procs: Any, directory: str) -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cairn.handlers import JsonHandler, TrainStateHandler
+    from cairn.handlers import JsonHandler
     from cairn.manager import CheckpointManager, CommitError, EveryNSeconds, KeepLatest
 
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    n = procs.count
+    mesh = Mesh(np.array(jax.devices()).reshape(n, 2), ("data", "model"))
     full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
 
     def state(step: int) -> Any:
@@ -141,23 +221,7 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         np.testing.assert_array_equal(np.asarray(restored["host"]), np.arange(3) * step)
         np.testing.assert_array_equal(np.asarray(restored["local"]), np.full(2, step))
 
-    class Dying(TrainStateHandler):
-        """Kills this process in the middle of its write phase (victim only)."""
-
-        def snapshot(self, obj: Any) -> Any:
-            inner = super().snapshot(obj)
-            victim = int(scenario[-1]) if scenario.startswith("kill") else -1
-
-            class Snap:
-                def write(self, directory: Any) -> Any:
-                    records = inner.write(directory)
-                    if procs.index == victim and obj["step"] == 3:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return records
-
-            return Snap()
-
-    handlers = {"config": JsonHandler(), "state": Dying()}
+    handlers = {"config": JsonHandler()}
     if scenario == "clock":
         real = time.time
         skew = 1000.0 if procs.index == 1 else 0.0
@@ -166,6 +230,8 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             decisions = [mgr.should_save(step) for step in range(3)]
             print("decisions", decisions, flush=True)
         return
+    if scenario == "kill":
+        install_kill(os.environ["CAIRN_TEST_KILL"], procs)
     with CheckpointManager(
         directory, keep=KeepLatest(2), handlers=handlers, barrier_timeout=5
     ) as mgr:
@@ -186,7 +252,7 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             )
         mgr.wait_until_finished()
         print("steps", mgr.all_steps(), flush=True)
-        if scenario.startswith("kill"):
+        if scenario == "kill":
             t0 = time.monotonic()
             mgr.save(3, {"state": state(3), "config": {"lr": 0.1}})
             try:
@@ -199,7 +265,7 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
             print("steps", mgr.all_steps(), flush=True)
             print(f"ok {scenario} {procs.index}", flush=True)
             os._exit(0)
-        other_mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("a", "b"))  # another mesh shape
+        other_mesh = Mesh(np.array(jax.devices()).reshape(2 * n, 1), ("a", "b"))  # another shape
         shardings = [
             NamedSharding(mesh, spec)
             for spec in (P("data", "model"), P("model", None), P(None, "data"), P())
@@ -216,12 +282,15 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         mgr.save(5, {"state": state(5), "config": {"lr": 0.1}})
         mgr.delete(2)  # right after a save: the others must have re-read the directory first
         assert mgr.all_steps() == [5], mgr.all_steps()
+        print("files", sorted(mgr.info(5).items["state"].files), flush=True)
     with CheckpointManager(
         directory, handlers=handlers, barrier_timeout=5
     ) as again:  # a second one
         again.save(6, {"state": state(6), "config": {"lr": 0.1}})
         again.wait_until_finished()
         assert again.all_steps() == [5, 6], again.all_steps()
+    left = procs.client.key_value_dir_get("cairn/")
+    print("coordination keys", sorted(k for k, _ in left if "/open/" not in k), flush=True)
 
 
 if __name__ == "__main__":
