@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
 from cairn.handlers.errors import (
+    BarrierTimeoutError,
     CommitError,
     CorruptCheckpointError,
     ItemNotFoundError,
@@ -460,11 +461,16 @@ class CheckpointManager:
                 self._keep_error(f"retention after step {job.step}", e)
             finally:
                 if procs.count > 1:  # committed; retention done or failed on its own
-                    procs.broadcast(outcome_key, f"ok {self._changes()}", self._timeout)
-                    # The next change (a delete, another commit's retention) waits until the
-                    # others have read what changed, or they could see a step half gone.
-                    procs.barrier(f"{outcome_key}/read", self._timeout)
-                    procs.forget(f"cairn/{job.tmp_name}")
+                    try:
+                        procs.broadcast(outcome_key, f"ok {self._changes()}", self._timeout)
+                        # The next change (a delete, another commit's retention) waits until
+                        # the others have read what changed, or they could see a step half gone.
+                        procs.barrier(f"{outcome_key}/read", self._timeout)
+                        procs.forget(f"cairn/{job.tmp_name}")
+                    except BarrierTimeoutError as e:  # the step stays committed
+                        if reraise:
+                            raise
+                        self._keep_error(f"telling the others that step {job.step} committed", e)
         finally:
             self._slots.release()
 

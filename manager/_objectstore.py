@@ -201,25 +201,24 @@ class ObjectStore:
         self.delete_range(prefix, _successor(prefix))
 
     def delete_range(self, start: str, stop: str) -> None:
-        """Delete every key k with start <= k < stop, except keys with a `.` or `..` segment.
+        """Delete every key k with start <= k < stop, except keys with a `.` or `..` segment:
+        one LIST, then one DELETE per key, all in flight at once (TensorStore's own
+        delete_range would list the range a second time).
 
         An HTTP client collapses dot segments of a request path before it sends it (TensorStore's
         S3 driver does, against moto at least), so deleting the literal key ``a/../../x`` would
         delete ``x`` beside the directory. Such keys are never cairn's (every name cairn writes
-        passes `check_relative`): they are left alone, with a warning, and the rest of the range
-        is deleted key by key around them."""
+        passes `check_relative`): they are left alone, with a warning."""
         keys = self.list_range(start, stop)
         odd = [k for k in keys if _dot_segments(k)]
-        if not odd:
-            self._kv.delete_range(self._ts.KvStore.KeyRange(start, stop)).result()
-            return
-        log.warning(
-            "cairn: %s: not deleting %d keys with '.' or '..' segments (not cairn's; a request "
-            "for them would reach outside the directory): %s",
-            self.url,
-            len(odd),
-            odd[:5],
-        )
+        if odd:
+            log.warning(
+                "cairn: %s: not deleting %d keys with '.' or '..' segments (not cairn's; a "
+                "request for them would reach outside the directory): %s",
+                self.url,
+                len(odd),
+                odd[:5],
+            )
         futures = [self._kv.write(k, None) for k in keys if not _dot_segments(k)]
         for future in futures:
             future.result()

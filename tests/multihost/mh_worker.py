@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -60,6 +61,8 @@ def main() -> None:
         per_process_iterators(procs, directory)
     elif scenario == "preempt":
         preempt(procs, directory)
+    elif scenario == "count":
+        count_requests(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
     if scenario in ("peer-dies", "kill"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
@@ -92,6 +95,80 @@ def per_process_iterators(procs: Any, directory: str) -> None:
         print("files", sorted(mgr.info(2).items["data"].files), flush=True)
 
 
+def count_requests(procs: Any, directory: str) -> None:
+    """Every HTTP request this process makes to the object store, through its own counting
+    proxy: at the open, and in each of 5 saves (KeepLatest(2): retention deletes a step from
+    the third on), from a barrier before `save` to one after the commit. Prints one line,
+    ``requests <json>``, with per save the requests by kind and the files this process wrote."""
+    import json
+
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from countproxy import CountingProxy
+
+    from cairn.handlers import Destination
+    from cairn.manager import CheckpointManager, KeepLatest
+
+    variable = "AWS_ENDPOINT_URL" if directory.startswith("s3://") else "TENSORSTORE_GCS_HTTP_URL"
+    proxy = CountingProxy(os.environ[variable]).start()
+    os.environ[variable] = proxy.url
+    files = {"n": 0}
+    lock = threading.Lock()
+    write_file = Destination.write_file
+
+    def counted(self: Any, relpath: str, data: Any) -> Any:
+        with lock:
+            files["n"] += 1
+        return write_file(self, relpath, data)
+
+    Destination.write_file = counted  # type: ignore[method-assign]
+    mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    state = {
+        name: jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+        for name in ("a", "b", "c")
+    }
+
+    def kinds(requests: list[Any]) -> dict[str, int]:
+        """Requests by kind: GET, PUT (a GCS upload is a POST), HEAD, DELETE, and LIST of the
+        whole directory ("LIST dir") or of one step's prefix ("LIST step"); each also counted
+        as "<kind> manifest" when it is about a step's manifest key."""
+        out: dict[str, int] = {}
+        for r in requests:
+            query = urllib.parse.parse_qs(r.query)
+            listing = query.get("prefix", query.get("startOffset", [None]))[0]
+            if r.method == "GET" and listing is not None:
+                key = f"LIST {'step' if 'checkpoint_' in listing else 'dir'}"
+            else:
+                method = "PUT" if r.method == "POST" and "/upload/" in r.path else r.method
+                name = query.get("name", [r.path])[0]  # a GCS upload names its object
+                about = "manifest" if name.endswith("_CHECKPOINT.json") else "other"
+                key = f"{method} {about}"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    report: dict[str, Any] = {"process": procs.index, "count": procs.count, "saves": []}
+    procs.barrier("cairn-test/count/start", 60)
+    with CheckpointManager(directory, keep=KeepLatest(2), barrier_timeout=60) as mgr:
+        report["open"] = kinds(proxy.requests())
+        for step in range(5):
+            procs.barrier(f"cairn-test/count/before/{step}", 60)
+            proxy.clear()
+            files["n"] = 0
+            mgr.save(step, {"state": state})
+            mgr.wait_until_finished()
+            procs.barrier(f"cairn-test/count/after/{step}", 60)
+            done = kinds(proxy.requests())
+            report["saves"].append({"files": files["n"], "requests": done})
+        assert mgr.all_steps() == [3, 4], mgr.all_steps()
+    proxy.stop()
+    print("requests", json.dumps(report), flush=True)
+
+
 def preempt(procs: Any, directory: str) -> None:
     """Process 1 gets SIGTERM at step 5; JAX's preemption sync point makes both save one step."""
     import numpy as np
@@ -118,7 +195,8 @@ def install_kill(kill: str, procs: Any) -> None:
     Points: "upload" (after its second file of the step), "written" (after its write phase,
     before it reports), "reported" (after it reported ok, before the barrier), "manifest" (the
     primary, once every report is in, before the commit; another process, while it waits for the
-    outcome), "committed" (the primary, right after the commit point, before the outcome).
+    outcome), "committed" (the primary right after the commit point, before the outcome; another
+    process right after the outcome arrived).
     """
     from cairn.handlers import Destination
     from cairn.manager import _commit
@@ -175,9 +253,11 @@ def install_kill(kill: str, procs: Any) -> None:
         wrap(_commit, "build_manifest", before=True)
     elif point == "manifest":
         wrap(Processes, "broadcast", before=True, when=lambda self, name, *a: "outcome" in name)
-    elif point == "committed":
+    elif point == "committed" and procs.primary:
         wrap(_Prepared, "commit", before=False)
         wrap(_KvPrepared, "commit", before=False)
+    elif point == "committed":  # once the primary's word that it committed has arrived
+        wrap(Processes, "broadcast", before=False, when=lambda self, name, *a: "outcome" in name)
 
 
 class _DieAfter:

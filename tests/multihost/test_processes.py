@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from conftest import Place
 from launcher import launch
 
+from cairn.manager import CheckpointManager
 from cairn.manager._multihost import Processes
 
 
@@ -86,7 +88,7 @@ def test_sigkill_at_random_points_of_a_save(place: Place, trial: int) -> None:
 
 def kill_one_and_resume(place: Place, victim: int, point: str) -> None:
     """No hang and no partial step; a fresh pair resumes from the last committed step (step 3
-    only if the primary died after its commit point).
+    only if the victim died after the commit point).
 
     Another process dying: the primary raises BarrierTimeoutError within the 5 s timeout.
     The primary (process 0) dying takes JAX's coordination service with it: the other either
@@ -99,7 +101,8 @@ def kill_one_and_resume(place: Place, victim: int, point: str) -> None:
     survivor = results[1 - victim]
     assert results[victim].returncode == -signal.SIGKILL, results[victim].stderr[-3000:]
     assert f"killing myself at {point}" in results[victim].stdout
-    committed = victim == 0 and point == "committed"
+    # The primary has every report once the other process passed the barrier: it commits.
+    committed = point == "committed" or (victim == 1 and point == "manifest")
     if victim == 1 or survivor.returncode == 0:  # it noticed and raised
         assert survivor.returncode == 0, survivor.stderr[-3000:]
         line = next(
@@ -109,7 +112,8 @@ def kill_one_and_resume(place: Place, victim: int, point: str) -> None:
         assert "steps [1, 2]" in survivor.stdout
     else:  # JAX ended it first, having lost its coordinator
         assert "JAX distributed service detected fatal errors" in survivor.stderr
-    assert ("checkpoint_3" in place.steps()) == committed or not committed
+    with CheckpointManager(place.directory, read_only=True) as reader:
+        assert reader.latest_step() == (3 if committed else 2), reader.all_steps()
     again = launch("resume", place.directory)
     latest = 3 if committed else 2
     for r in again:
@@ -143,3 +147,41 @@ def test_preemption_notice_to_one_process_saves_one_step_on_both(place: Place) -
     step = int(lines[0].split()[2])
     assert step > 5 and lines[0].endswith(f"[{step}]")
     assert place.steps() == [f"checkpoint_{step}"]
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_requests_per_process_per_save(request: pytest.FixtureRequest, backend: str) -> None:
+    """Each process's requests to the store, through its own counting proxy (docs/scaling.md):
+    the other process sends one PUT per file it writes and reads the new step's manifest and
+    metrics, nothing else; no process lists the directory; only the primary writes the
+    manifest."""
+    bucket = request.getfixturevalue(f"{backend}_bucket")
+    results = launch("count", f"{bucket}/run")
+    reports = []
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = next(x for x in r.stdout.splitlines() if x.startswith("requests "))
+        reports.append(json.loads(line.split(" ", 1)[1]))
+    primary, other = reports
+    heads = {"HEAD manifest": 2, "HEAD other": 1} if backend == "s3" else {}  # see below
+    step_files = primary["saves"][0]["files"] + other["saves"][0]["files"]
+    for step, (mine, theirs) in enumerate(zip(primary["saves"], other["saves"], strict=True)):
+        files = mine["files"]
+        # The other process: its files, then the new step's manifest and metrics.json.
+        assert theirs["requests"] == {
+            "PUT other": theirs["files"],
+            "GET manifest": 1,
+            "GET other": 1,
+        }, (step, theirs)
+        # The primary: the lease read before the claim and before the commit, the claim and
+        # the manifest, its files and the lease's refresh; on moto every conditional write is
+        # a HEAD and a PUT (TensorStore sends If-Match itself only to amazonaws.com). The
+        # first save reads one missing key more (what "absent" looks like, once per process).
+        expected = {"GET other": 2 + (step == 0), "PUT manifest": 2, "PUT other": files + 1}
+        if step >= 2:  # retention deletes the oldest step: a claim, its manifest, its files
+            expected["GET other"] += 1  # the lease, once more
+            expected["PUT other"] += 1  # the deletion's claim
+            expected.update({"LIST step": 2, "DELETE manifest": 1, "DELETE other": step_files + 1})
+        assert mine["requests"] == {**expected, **heads}, (step, mine)
+    # At the open the processes list the directory (the primary twice: its clean-up, its scan).
+    assert other["open"] == {"LIST dir": 1}, other["open"]
