@@ -55,7 +55,7 @@ from cairn.manager._policies import (
     steps_to_delete,
 )
 from cairn.manager._preemption import PreemptionWatch
-from cairn.manager._storage import check_directory, open_storage
+from cairn.manager._storage import Listed, check_directory, open_storage
 from cairn.manager._validate import (
     as_step,
     check_barrier_timeout,
@@ -208,16 +208,9 @@ class CheckpointManager:
             if self._writer:
                 self._storage.acquire()
                 self._storage.clean_leftovers(self._names)
-            run = uuid.uuid4().hex if self._procs.primary else None
-            opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
-            key = f"cairn/open/{opened}:{self._where}"  # the same on every process, per manager
-            self._run = (
-                self._procs.broadcast(key, run, self._timeout)
-                if self._procs.count > 1
-                else run or ""
-            )
-            self._procs.barrier(f"cairn/{self._run}/opened", self._timeout)  # after the cleanup
-            self._catalog.replace(self._scan())
+            if self._procs.primary:
+                self._catalog.replace(self._scan())
+            self._run = self._open_together()
             if self._writer:  # a crash between an item's drop and the removal of its files
                 self._storage.remove_dropped(
                     {
@@ -268,6 +261,38 @@ class CheckpointManager:
     def __repr__(self) -> str:
         mode = "read_only" if self._read_only else ("async" if self._async else "sync")
         return f"CheckpointManager({self._where!r}, {mode}, steps={self.all_steps()})"
+
+    def _open_together(self) -> str:
+        """The run id, drawn by the primary after its clean-up and scan. With several processes
+        it broadcasts the id and the steps it found, and every other process reads just those
+        steps instead of listing the directory; then all meet."""
+        run = uuid.uuid4().hex
+        if self._procs.count == 1:
+            return run
+        opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
+        key = f"cairn/open/{opened}:{self._where}"  # the same on every process, per manager
+        mine = json.dumps({"run": run, "steps": self._catalog.steps()})
+        told = json.loads(
+            self._procs.broadcast(key, mine if self._procs.primary else None, self._timeout)
+        )
+        if not self._procs.primary:
+            self._catalog.replace(self._read_steps(told["steps"]))
+        self._procs.barrier(f"cairn/{told['run']}/opened", self._timeout)
+        return str(told["run"])
+
+    def _read_steps(self, steps: Iterable[int]) -> dict[int, StepRecord]:
+        """The steps a primary listed, each read again (16 at a time; one may be gone)."""
+
+        def read(step: int) -> Listed | None:
+            return self._storage.read_step(self._names, step)
+
+        steps = list(steps)
+        if len(steps) < 2:
+            found = [read(step) for step in steps]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="cairn-read") as pool:
+                found = list(pool.map(read, steps))
+        return {listed.step: read_record(listed) for listed in found if listed is not None}
 
     def _collective(self, what: str) -> str:
         """A name for the next collective call, the same on every process (they call alike)."""
@@ -559,14 +584,12 @@ class CheckpointManager:
         """Another process: forget the steps the primary deleted and read again the ones it
         changed (a manifest and a metrics read each), instead of listing the directory."""
         changes = json.loads(text)
-        for step in changes["gone"]:
-            self._catalog.remove(step)
-        for step in changes["changed"]:
-            listed = self._storage.read_step(self._names, step)
-            if listed is None:
-                self._catalog.remove(step)
+        records = self._read_steps(changes["changed"])
+        for step in changes["gone"] + changes["changed"]:
+            if step in records:
+                self._catalog.committed(step, records[step])
             else:
-                self._catalog.committed(step, read_record(listed))
+                self._catalog.remove(step)
 
     def _on_commit_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` after every pending commit, on the commit thread when there is one."""

@@ -165,6 +165,11 @@ def count_requests(procs: Any, directory: str) -> None:
             done = kinds(proxy.requests())
             report["saves"].append({"files": files["n"], "requests": done})
         assert mgr.all_steps() == [3, 4], mgr.all_steps()
+    procs.barrier("cairn-test/count/closed", 60)
+    proxy.clear()
+    with CheckpointManager(directory, keep=KeepLatest(2), barrier_timeout=60) as mgr:
+        report["reopen"] = kinds(proxy.requests())
+        assert mgr.all_steps() == [3, 4], mgr.all_steps()
     proxy.stop()
     print("requests", json.dumps(report), flush=True)
 

@@ -183,5 +183,8 @@ def test_requests_per_process_per_save(request: pytest.FixtureRequest, backend: 
             expected["PUT other"] += 1  # the deletion's claim
             expected.update({"LIST step": 2, "DELETE manifest": 1, "DELETE other": step_files + 1})
         assert mine["requests"] == {**expected, **heads}, (step, mine)
-    # At the open the processes list the directory (the primary twice: its clean-up, its scan).
-    assert other["open"] == {"LIST dir": 1}, other["open"]
+    # At the open only the primary lists the directory (twice: its clean-up, its scan); the
+    # other reads the manifest and metrics.json of each step the primary found.
+    assert primary["reopen"]["LIST dir"] == 2, primary["reopen"]
+    assert other["open"] == {}, other["open"]
+    assert other["reopen"] == {"GET manifest": 2, "GET other": 2}, other["reopen"]
