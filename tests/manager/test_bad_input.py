@@ -176,6 +176,22 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("async flag", {"async_save": "yes"}, TypeError, "async_save must be a bool"),
     ("max_pending", {"max_pending": 0}, ValueError, "max_pending must be a positive int, got 0"),
     ("read_only flag", {"read_only": 1}, TypeError, "read_only must be a bool"),
+    ("barrier_timeout", {"barrier_timeout": 0}, ValueError, "barrier_timeout must be a positive"),
+    ("primary type", {"primary_process": "0"}, ValueError, "primary_process must be a process"),
+    ("primary flag", {"primary_process": True}, ValueError, "primary_process must be a process"),
+    ("primary < 0", {"primary_process": -1}, ValueError, "primary_process must be a process"),
+    (
+        "primary not a process",
+        {"primary_process": 1},
+        ValueError,
+        r"primary_process=1: this run has processes 0\.\.0",
+    ),
+    (
+        "primary, reading",
+        {"primary_process": 2, "read_only": True},
+        ValueError,
+        r"primary_process=2: this run has processes 0\.\.0",
+    ),
 ]
 
 

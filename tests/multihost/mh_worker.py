@@ -7,6 +7,7 @@ Prints ``ok <scenario> <process id>`` at the end, or the error it expected.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -112,6 +113,10 @@ def count_requests(procs: Any, directory: str) -> None:
     from cairn.handlers import Destination
     from cairn.manager import CheckpointManager, KeepLatest
 
+    primary = int(os.environ.get("CAIRN_TEST_PRIMARY", "0"))
+    with contextlib.suppress(ValueError):  # another process cannot see this one's memory
+        CheckpointManager("memory://count")
+        raise AssertionError("a multi-process manager opened a memory:// directory")
     variable = "AWS_ENDPOINT_URL" if directory.startswith("s3://") else "TENSORSTORE_GCS_HTTP_URL"
     proxy = CountingProxy(os.environ[variable]).start()
     os.environ[variable] = proxy.url
@@ -152,8 +157,9 @@ def count_requests(procs: Any, directory: str) -> None:
         return out
 
     report: dict[str, Any] = {"process": procs.index, "count": procs.count, "saves": []}
+    options = {"keep": KeepLatest(2), "barrier_timeout": 60, "primary_process": primary}
     procs.barrier("cairn-test/count/start", 60)
-    with CheckpointManager(directory, keep=KeepLatest(2), barrier_timeout=60) as mgr:
+    with CheckpointManager(directory, **options) as mgr:
         report["open"] = kinds(proxy.requests())
         for step in range(5):
             procs.barrier(f"cairn-test/count/before/{step}", 60)
@@ -167,7 +173,7 @@ def count_requests(procs: Any, directory: str) -> None:
         assert mgr.all_steps() == [3, 4], mgr.all_steps()
     procs.barrier("cairn-test/count/closed", 60)
     proxy.clear()
-    with CheckpointManager(directory, keep=KeepLatest(2), barrier_timeout=60) as mgr:
+    with CheckpointManager(directory, **options) as mgr:
         report["reopen"] = kinds(proxy.requests())
         assert mgr.all_steps() == [3, 4], mgr.all_steps()
     proxy.stop()

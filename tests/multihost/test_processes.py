@@ -149,20 +149,22 @@ def test_preemption_notice_to_one_process_saves_one_step_on_both(place: Place) -
     assert place.steps() == [f"checkpoint_{step}"]
 
 
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_requests_per_process_per_save(request: pytest.FixtureRequest, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "chosen"), [("s3", 0), ("gcs", 0), ("s3", 1)])
+def test_requests_per_process_per_save(
+    request: pytest.FixtureRequest, backend: str, chosen: int
+) -> None:
     """Each process's requests to the store, through its own counting proxy (docs/scaling.md):
     the other process sends one PUT per file it writes and reads the new step's manifest and
-    metrics, nothing else; no process lists the directory; only the primary writes the
-    manifest."""
+    metrics, nothing else; no process lists the directory; only the primary (process 0, or
+    process 1 with primary_process=1) writes the manifest. A memory:// directory is refused."""
     bucket = request.getfixturevalue(f"{backend}_bucket")
-    results = launch("count", f"{bucket}/run")
+    results = launch("count", f"{bucket}/run", env={"CAIRN_TEST_PRIMARY": str(chosen)})
     reports = []
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
         line = next(x for x in r.stdout.splitlines() if x.startswith("requests "))
         reports.append(json.loads(line.split(" ", 1)[1]))
-    primary, other = reports
+    primary, other = reports if chosen == 0 else reversed(reports)
     heads = {"HEAD manifest": 2, "HEAD other": 1} if backend == "s3" else {}  # see below
     step_files = primary["saves"][0]["files"] + other["saves"][0]["files"]
     for step, (mine, theirs) in enumerate(zip(primary["saves"], other["saves"], strict=True)):
