@@ -74,6 +74,9 @@ def test_sigkill_of_either_process_mid_save_commits_nothing(place: Place, victim
     kill_one_and_resume(place, victim, "upload")
 
 
+# On moto every conditional write is a HEAD, then the PUT (two on manifests: claim, commit).
+HEADS: dict[str, dict[str, int]] = {"s3": {"HEAD manifest": 2, "HEAD other": 1}, "gcs": {}}
+
 KILL_POINTS = ("upload", "written", "reported", "manifest", "committed")
 
 
@@ -165,7 +168,7 @@ def test_requests_per_process_per_save(
         line = next(x for x in r.stdout.splitlines() if x.startswith("requests "))
         reports.append(json.loads(line.split(" ", 1)[1]))
     primary, other = reports if chosen == 0 else reversed(reports)
-    heads = {"HEAD manifest": 2, "HEAD other": 1} if backend == "s3" else {}  # see below
+    heads = HEADS[backend]  # see below
     step_files = primary["saves"][0]["files"] + other["saves"][0]["files"]
     for step, (mine, theirs) in enumerate(zip(primary["saves"], other["saves"], strict=True)):
         files = mine["files"]
@@ -190,3 +193,47 @@ def test_requests_per_process_per_save(
     assert primary["reopen"]["LIST dir"] == 2, primary["reopen"]
     assert other["open"] == {}, other["open"]
     assert other["reopen"] == {"GET manifest": 2, "GET other": 2}, other["reopen"]
+
+
+@pytest.mark.slow
+def test_four_processes_save_retain_restore_and_iterators(place: Place) -> None:
+    """make soak: the save scenario on a (4, 2) mesh of 4 processes (shards of all four, 7
+    restore shardings, retention, delete, a second manager), then each process's iterator."""
+    results = launch("save", place.directory, count=4, timeout=600)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "steps [1, 2]" in r.stdout and f"ok save {i}" in r.stdout
+    prefix = "checkpoint_6/state/arrays/0/"
+    chunks = sorted(k.split("/")[-1] for k in place.listing() if k.startswith(prefix))
+    assert chunks == [f"{r}.{c}" for r in range(4) for c in range(2)] + ["zarr.json"]
+    assert place.steps() == ["checkpoint_5", "checkpoint_6"]
+    sub = Place(f"{place.directory}/iterators")
+    results = launch("iterators", sub.directory, count=4, timeout=600)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert str([f"process_{p}-of-4.json" for p in range(4)]) in r.stdout
+    assert not [k for k in sub.listing() if k.startswith("checkpoint_1/data/")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_requests_per_save_do_not_grow_with_four_processes(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """make soak: at 4 processes each other process still sends its files' PUTs and 2 GETs
+    per save, and the primary the same fixed requests as at 2."""
+    bucket = request.getfixturevalue(f"{backend}_bucket")
+    results = launch("count", f"{bucket}/run", count=4, timeout=600)
+    reports = []
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = next(x for x in r.stdout.splitlines() if x.startswith("requests "))
+        reports.append(json.loads(line.split(" ", 1)[1]))
+    primary = reports[0]
+    for other in reports[1:]:
+        for save in other["saves"]:
+            expected = {"PUT other": save["files"], "GET manifest": 1, "GET other": 1}
+            assert save["requests"] == expected, save
+    fixed = {k: v for k, v in primary["saves"][1]["requests"].items() if k != "PUT other"}
+    assert fixed == {"GET other": 2, "PUT manifest": 2, **HEADS[backend]}, fixed
+    assert primary["saves"][1]["requests"]["PUT other"] == primary["saves"][1]["files"] + 1
