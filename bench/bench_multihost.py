@@ -107,45 +107,11 @@ def store_env(store: str, endpoint: str) -> dict[str, str]:
     return {"TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": gcsutil.TOKEN}
 
 
-# mh_worker.py's count scenario first checks that a multi-process manager refuses a memory://
-# directory, which a single process may open; at N = 1 the probe is made to see the refusal it
-# expects (before its counting proxy starts, so nothing it counts changes). The worker is
-# otherwise run as it is.
-SINGLE_PROCESS_SHIM = """
-import runpy, sys
-from cairn.manager import CheckpointManager
-original = CheckpointManager.__init__
-def init(self, directory, *args, **kwargs):
-    if str(directory).startswith("memory://"):
-        raise ValueError("bench_multihost: memory:// refused at N = 1, as with N > 1")
-    original(self, directory, *args, **kwargs)
-CheckpointManager.__init__ = init
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def launch_single(directory: str, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
-    """`launcher.launch("count", directory, count=1)` through SINGLE_PROCESS_SHIM."""
-    args = [str(launcher.WORKER), "count", "0", "1", str(launcher.free_port()), directory]
-    res = subprocess.run(
-        [sys.executable, "-c", SINGLE_PROCESS_SHIM, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env},
-    )
-    return [res]
-
-
 def run_counts(store: str, endpoint: str, count: int) -> list[dict[str, Any]]:
     """tests/multihost/mh_worker.py count on `count` processes; each process's report."""
     directory = f"{store}://{make_bucket(store, endpoint)}/run"
     env = store_env(store, endpoint)
-    if count == 1:
-        results = launch_single(directory, env)
-    else:
-        results = launcher.launch("count", directory, count=count, timeout=600, env=env)
+    results = launcher.launch("count", directory, count=count, timeout=600, env=env)
     reports = []
     for i, r in enumerate(results):
         if r.returncode != 0:

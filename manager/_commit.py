@@ -77,6 +77,8 @@ def commit_step(
                 for item, (handler, snapshot) in job.snapshots.items():
                     dest = step.destination(item)
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
+            if procs.primary:  # a writer that lost the directory during the upload stops here
+                storage.check_writer()  # (before the barrier: off the path to the commit)
             if procs.count > 1:
                 step.sync()  # each process makes its own writes durable, on its own host
         except Exception as e:

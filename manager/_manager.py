@@ -198,6 +198,7 @@ class CheckpointManager:
                 "(use a shared filesystem, s3:// or gs://)"
             )
         self._catalog = Catalog(journal=self._procs.count > 1 and self._procs.primary)
+        self._retired: dict[int, Manifest | None] = {}  # primary: retired, shares not yet deleted
         self._errors_lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -452,7 +453,7 @@ class CheckpointManager:
                         )
                     self._catalog.committed(job.step, None)
                     self._apply_changes(outcome[3:])
-                    procs.barrier(f"{outcome_key}/read", self._timeout)  # see below
+                    procs.barrier(f"{outcome_key}/read", self._timeout)  # see _tell_changes
                     return
             except BaseException as e:
                 if procs.count > 1 and procs.primary:
@@ -487,10 +488,7 @@ class CheckpointManager:
             finally:
                 if procs.count > 1:  # committed; retention done or failed on its own
                     try:
-                        procs.broadcast(outcome_key, f"ok {self._changes()}", self._timeout)
-                        # The next change (a delete, another commit's retention) waits until
-                        # the others have read what changed, or they could see a step half gone.
-                        procs.barrier(f"{outcome_key}/read", self._timeout)
+                        self._tell_changes(outcome_key, "ok ")
                         procs.forget(f"cairn/{job.tmp_name}")
                     except BarrierTimeoutError as e:  # the step stays committed
                         if reraise:
@@ -528,13 +526,24 @@ class CheckpointManager:
             ) from first
 
     def _delete_now(self, step: int) -> None:
+        """Delete a committed step. With several processes on a storage that shares deletion
+        out, only retire it here: every process deletes its share of the files once it heard
+        (`_tell_changes`)."""
+        name, reclaim = self._names.format(step), None
+        shared = self._procs.count > 1 and self._storage.shares_deletion
+        manifest = self._catalog.manifests([step]).get(step)
         try:
-            reclaim = self._storage.delete_step(self._names.format(step))
+            if shared:
+                self._storage.retire_step(name)
+            else:
+                reclaim = self._storage.delete_step(name)
         except BaseException:
             with contextlib.suppress(Exception):
                 if self._storage.read_step(self._names, step) is None:  # gone all the same
                     self._catalog.remove(step)
             raise
+        if shared:
+            self._retired[step] = manifest
         self._catalog.remove(step)
         self._reclaim(reclaim)
 
@@ -563,27 +572,62 @@ class CheckpointManager:
             try:
                 fn()
             finally:
-                mine = self._changes() if procs.primary else None
-                changes = procs.broadcast(f"{key}/changed", mine, self._timeout)
-                if not procs.primary:
-                    self._apply_changes(changes)
-                # and the primary changes nothing more until everyone has read what changed
-                procs.barrier(f"{key}/read", self._timeout)
                 if procs.primary:
+                    self._tell_changes(f"{key}/changed")
                     procs.forget(key)
+                else:
+                    self._apply_changes(procs.broadcast(f"{key}/changed", None, self._timeout))
+                    procs.barrier(f"{key}/changed/read", self._timeout)
 
         return run
 
-    def _changes(self) -> str:
-        """Primary: the steps its catalog changed since the last call (committed, deleted, items
-        dropped, metrics merged), for the other processes."""
+    def _tell_changes(self, key: str, prefix: str = "") -> None:
+        """Primary, after a change: broadcast the steps that changed since the last time
+        (committed, deleted, items dropped, metrics merged) under `key`, after `prefix`; delete
+        its share of the steps it retired; wait at ``<key>/read`` until every process has read
+        the changes and deleted its share (so the next change cannot race with that reading);
+        then remove what is left of those steps."""
         changed, gone = self._catalog.changes()
-        return json.dumps({"changed": changed, "gone": gone})
+        self._procs.broadcast(
+            key, prefix + json.dumps({"changed": changed, "gone": gone}), self._timeout
+        )
+        retired, self._retired = self._retired, {}
+        self._delete_shares(retired)
+        self._procs.barrier(f"{key}/read", self._timeout)
+        for step in retired:
+            try:
+                self._storage.finish_deletion(self._names.format(step))
+            except Exception as e:  # a retired step is no step; the next start removes it
+                log.warning("cairn: could not finish deleting step %d: %r", step, e)
+
+    def _delete_shares(self, manifests: Mapping[int, Manifest | None]) -> None:
+        """This process's share of the files of retired steps: every `count`-th of the sorted
+        paths, from its `index`, so that each process sends about as many DELETEs as it wrote
+        files. A failure leaves files for the primary's `finish_deletion`."""
+        procs = self._procs
+        for step, manifest in manifests.items():
+            if manifest is None:
+                continue
+            paths = sorted(
+                f"{item}/{f.path}"
+                for item, entry in manifest.items.items()
+                if not entry.dropped
+                for f in entry.files
+            )
+            try:
+                self._storage.remove_files(
+                    self._names.format(step), paths[procs.index :: procs.count]
+                )
+            except Exception as e:
+                log.warning("cairn: could not delete this process's share of step %d: %r", step, e)
 
     def _apply_changes(self, text: str) -> None:
-        """Another process: forget the steps the primary deleted and read again the ones it
-        changed (a manifest and a metrics read each), instead of listing the directory."""
+        """Another process: forget the steps the primary deleted (and delete this process's
+        share of their files) and read again the ones it changed (a manifest and a metrics
+        read each), instead of listing the directory."""
         changes = json.loads(text)
+        if self._storage.shares_deletion:
+            self._delete_shares(self._catalog.manifests(changes["gone"]))
         records = self._read_steps(changes["changed"])
         for step in changes["gone"] + changes["changed"]:
             if step in records:

@@ -219,7 +219,11 @@ class ObjectStore:
                 len(odd),
                 odd[:5],
             )
-        futures = [self._kv.write(k, None) for k in keys if not _dot_segments(k)]
+        self.delete_keys([k for k in keys if not _dot_segments(k)])
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        """Delete these keys, one DELETE each, all in flight at once."""
+        futures = [self._kv.write(k, None) for k in keys]
         for future in futures:
             future.result()
 
@@ -368,6 +372,8 @@ class KvStorage:
     the claimed prefix (`prepare(..., create=False)` sends no request) and reads.
     """
 
+    shares_deletion = True  # retire_step, remove_files, finish_deletion
+
     def __init__(self, url: str, options: StorageOptions) -> None:
         self.store = ObjectStore(url, options)
         self.url = self.directory = self.store.url
@@ -478,7 +484,8 @@ class KvStorage:
             if listed is not None:
                 if claimed and self.store.read(f"{name}/{CLAIM}") == _DELETING:
                     log.info("cairn: finishing the deletion of %s/%s", self.url, name)
-                    self._finish_deletion(name)
+                    self.store.delete(f"{name}/{MANIFEST}")
+                    self.finish_deletion(name)
                     removed.append(name)
                 continue
             data, generation = self.store.read_with_generation(f"{name}/{MANIFEST}")
@@ -510,13 +517,26 @@ class KvStorage:
         cairn's and removes), then the manifest (from then on it is no step), then every other
         object, the claim last. A crash after the claim and before the manifest's deletion
         leaves a committed step holding a deletion claim: the next writer finishes the job."""
-        self.check_writer()
-        self.store.write(f"{name}/{CLAIM}", _DELETING)
-        self._finish_deletion(name)
+        self.retire_step(name)
+        self.finish_deletion(name)
         return None
 
-    def _finish_deletion(self, name: str) -> None:
+    def retire_step(self, name: str) -> None:
+        """The first half of `delete_step`: the claim, then the manifest (from then on it is no
+        step; the claimed prefix is a leftover the next writer removes, should we die)."""
+        self.check_writer()
+        self.store.write(f"{name}/{CLAIM}", _DELETING)
         self.store.delete(f"{name}/{MANIFEST}")
+
+    def remove_files(self, name: str, relpaths: Sequence[str]) -> None:
+        """Delete these objects of a retired step, all in flight at once, without listing (the
+        processes of a job share a step's deletion out this way)."""
+        for relpath in relpaths:
+            check_relative(relpath)
+        self.store.delete_keys([f"{name}/{relpath}" for relpath in relpaths])
+
+    def finish_deletion(self, name: str) -> None:
+        """The second half: every object left under the retired step's prefix, the claim last."""
         claim = f"{name}/{CLAIM}"
         self.store.delete_range(f"{name}/", claim)
         self.store.delete_range(claim + "\0", _successor(f"{name}/"))
@@ -562,15 +582,12 @@ class _KvPrepared:
         """Every PUT is durable once it returned."""
 
     def commit(self, manifest: Manifest) -> None:
-        """Check the lease (a writer whose lease was taken over meanwhile stops here); replace
-        the claim with the manifest only if the claim is still the one we wrote (If-Match: a
-        claim that another writer removed, say one that took our expired lease over and
-        cleaned up at its start, fails the write atomically, even after the check); refresh
-        the lease."""
+        """Replace the claim with the manifest only if the claim is still the one we wrote
+        (If-Match: a claim that another writer removed, say one that took our expired lease
+        over and cleaned up at its start, fails the write atomically); refresh the lease.
+        `commit_step` has checked the lease after the upload (`check_writer`)."""
         self._drop_staging()
         lease = self._storage.lease
-        if lease is not None:
-            lease.check()
         key = f"{self._name}/{MANIFEST}"
         if self._store.write(key, manifest.to_bytes(), if_generation=self._claim) is None:
             if lease is not None:

@@ -18,7 +18,7 @@ import stat
 import sys
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -53,6 +53,7 @@ class PosixStorage:
     """
 
     multi_process = True  # on a filesystem every host mounts
+    shares_deletion = False  # one rename retires a step; the reclaim thread removes it
 
     def __init__(self, root: Path) -> None:
         self.root = self.directory = root
@@ -171,6 +172,15 @@ class PosixStorage:
             return None
         fsync_dir(self.root)
         return lambda: _remove_trash(trash)
+
+    def retire_step(self, name: str) -> None:
+        raise NotImplementedError("a POSIX step is deleted with delete_step (one rename)")
+
+    def remove_files(self, name: str, relpaths: Sequence[str]) -> None:
+        raise NotImplementedError("a POSIX step is deleted with delete_step (one rename)")
+
+    def finish_deletion(self, name: str) -> None:
+        raise NotImplementedError("a POSIX step is deleted with delete_step (one rename)")
 
     def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
         """The manifest that marks the item dropped replaces the old one atomically first, so

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +81,9 @@ class Storage(Protocol):
 
     url: str  # the directory as users name it (a path or a URL), for messages
     multi_process: bool  # whether several processes of one job may write a step together
+    # Whether the processes of a job share a step's deletion out (retire_step, remove_files,
+    # finish_deletion) instead of the primary's delete_step doing it all.
+    shares_deletion: bool
 
     @property
     def directory(self) -> Path | str:
@@ -124,6 +127,19 @@ class Storage(Protocol):
     def delete_step(self, name: str) -> Reclaim | None:
         """Retire a committed step crash-safely (from the first change on it is no step);
         returns the work that frees its space, or None."""
+        ...
+
+    def retire_step(self, name: str) -> None:
+        """The primary's first half of a shared deletion: from now on `name` is no step, and a
+        crash leaves a leftover that `clean_leftovers` removes."""
+        ...
+
+    def remove_files(self, name: str, relpaths: Sequence[str]) -> None:
+        """One process's share of a retired step's files (the manifest's paths)."""
+        ...
+
+    def finish_deletion(self, name: str) -> None:
+        """The primary, once every process removed its share: whatever is left of the step."""
         ...
 
     def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:

@@ -347,12 +347,18 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
 
 def hold(where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hold the next commit of a step on `gate` once its files are written: before the commit
-    starts, or right after the lease check inside it (just before the manifest). Once."""
+    starts, or right after the lease check that follows the upload (just before the manifest).
+    Once."""
     uploaded, held = threading.Event(), threading.Event()
     commit, check = _objectstore._KvPrepared.commit, _objectstore.Lease.check
+    finish = _objectstore._KvDestination.finish
+
+    def finished(self: Any, *args: Any) -> Any:
+        out = finish(self, *args)
+        uploaded.set()
+        return out
 
     def held_commit(self: Any, manifest: Any) -> None:
-        uploaded.set()
         if where == "after the upload" and not held.is_set():
             held.set()
             gate()
@@ -364,6 +370,7 @@ def hold(where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
             held.set()
             gate()
 
+    monkeypatch.setattr(_objectstore._KvDestination, "finish", finished)
     monkeypatch.setattr(_objectstore._KvPrepared, "commit", held_commit)
     monkeypatch.setattr(_objectstore.Lease, "check", held_check)
 

@@ -172,12 +172,12 @@ def test_requests_per_process_per_save(
     step_files = primary["saves"][0]["files"] + other["saves"][0]["files"]
     for step, (mine, theirs) in enumerate(zip(primary["saves"], other["saves"], strict=True)):
         files = mine["files"]
-        # The other process: its files, then the new step's manifest and metrics.json.
-        assert theirs["requests"] == {
-            "PUT other": theirs["files"],
-            "GET manifest": 1,
-            "GET other": 1,
-        }, (step, theirs)
+        # The other process: its files, then the new step's manifest and metrics.json; once
+        # retention deletes a step, every other one of its files (the primary deletes the rest).
+        assert theirs["requests"] == other_requests(theirs["files"], step, step_files, 1, 2), (
+            step,
+            theirs,
+        )
         # The primary: the lease read before the claim and before the commit, the claim and
         # the manifest, its files and the lease's refresh; on moto every conditional write is
         # a HEAD and a PUT (TensorStore sends If-Match itself only to amazonaws.com). The
@@ -186,7 +186,8 @@ def test_requests_per_process_per_save(
         if step >= 2:  # retention deletes the oldest step: a claim, its manifest, its files
             expected["GET other"] += 1  # the lease, once more
             expected["PUT other"] += 1  # the deletion's claim
-            expected.update({"LIST step": 2, "DELETE manifest": 1, "DELETE other": step_files + 1})
+            shares = len(range(chosen, step_files, 2))
+            expected.update({"LIST step": 2, "DELETE manifest": 1, "DELETE other": shares + 1})
         assert mine["requests"] == {**expected, **heads}, (step, mine)
     # At the open only the primary lists the directory (twice: its clean-up, its scan); the
     # other reads the manifest and metrics.json of each step the primary found.
@@ -230,10 +231,23 @@ def test_requests_per_save_do_not_grow_with_four_processes(
         line = next(x for x in r.stdout.splitlines() if x.startswith("requests "))
         reports.append(json.loads(line.split(" ", 1)[1]))
     primary = reports[0]
-    for other in reports[1:]:
-        for save in other["saves"]:
-            expected = {"PUT other": save["files"], "GET manifest": 1, "GET other": 1}
+    step_files = sum(r["saves"][0]["files"] for r in reports)
+    for index, other in enumerate(reports[1:], start=1):
+        for step, save in enumerate(other["saves"]):
+            expected = other_requests(save["files"], step, step_files, index, 4)
             assert save["requests"] == expected, save
     fixed = {k: v for k, v in primary["saves"][1]["requests"].items() if k != "PUT other"}
     assert fixed == {"GET other": 2, "PUT manifest": 2, **HEADS[backend]}, fixed
     assert primary["saves"][1]["requests"]["PUT other"] == primary["saves"][1]["files"] + 1
+
+
+def other_requests(
+    files: int, step: int, step_files: int, index: int, count: int
+) -> dict[str, int]:
+    """What a process other than the primary sends in the save of `step` (of the count
+    scenario: KeepLatest(2), so from step 2 on each save deletes a step of `step_files` files,
+    of which process `index` of `count` deletes every `count`-th, from its index)."""
+    expected = {"PUT other": files, "GET manifest": 1, "GET other": 1}
+    if step >= 2:
+        expected["DELETE other"] = len(range(index, step_files, count))
+    return expected
