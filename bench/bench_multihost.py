@@ -123,22 +123,23 @@ def run_counts(store: str, endpoint: str, count: int) -> list[dict[str, Any]]:
 
 def count_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per process and save of SAVES: files, requests, fixed (requests - own files), the
-    deletes of the retired step's files, and fixed net of those; the kinds, with "PUT other"
-    net of the files."""
+    deletes of this process's share of the retired step's files, and fixed net of those; the
+    kinds, with "PUT other" net of the files."""
     rows = []
+    count = len(reports)
     for report in reports:
         for k in SAVES:
             save = report["saves"][k]
             files, kinds = save["files"], dict(save["requests"])
             total = sum(kinds.values())
-            # Retention at save k deletes step k - 2: one DELETE per file of it, any process's.
-            deleted = sum(r["saves"][k - 2]["files"] for r in reports) if k >= 2 else 0
+            # Retention at save k deletes step k - 2; each process deletes every count-th of
+            # its files, from its own index (the manager's share).
+            step_files = sum(r["saves"][k - 2]["files"] for r in reports) if k >= 2 else 0
+            deleted = len(range(report["process"], step_files, count))
             fixed_kinds = dict(kinds)
             fixed_kinds["PUT other"] = fixed_kinds.get("PUT other", 0) - files
-            if deleted and report["process"] == 0:
+            if deleted:
                 fixed_kinds["DELETE other"] = fixed_kinds.get("DELETE other", 0) - deleted
-            else:
-                deleted = 0
             rows.append(
                 {
                     "process": report["process"],

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot
@@ -77,9 +79,11 @@ def commit_step(
                 for item, (handler, snapshot) in job.snapshots.items():
                     dest = step.destination(item)
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
-            if procs.primary:  # a writer that lost the directory during the upload stops here
-                storage.check_writer()  # (before the barrier: off the path to the commit)
-            if procs.count > 1:
+            if procs.count == 1:  # a writer that lost the directory during the upload stops
+                storage.check_writer()
+            else:
+                if procs.primary:  # the same check, while the others finish: off the path
+                    checked = _in_background(storage.check_writer)
                 step.sync()  # each process makes its own writes durable, on its own host
         except Exception as e:
             if procs.count == 1:
@@ -93,6 +97,7 @@ def commit_step(
             if not procs.primary:
                 return None
             _merge_reports(records, procs.reports(f"{key}/written"), procs.index, job.step)
+            checked.result()
         manifest = build_manifest(job, records, time.monotonic() - t0)
         step.commit(manifest)  # the commit point
     except BaseException:
@@ -100,6 +105,22 @@ def commit_step(
             step.abort()
         raise
     return manifest
+
+
+def _in_background(fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """`fn` on a thread of its own; its outcome from the future's `result`."""
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name="cairn-check", daemon=True).start()
+    return future
 
 
 def _report(records: Mapping[str, tuple[FileRecord, ...]], error: Exception | None) -> str:
