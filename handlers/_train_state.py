@@ -167,19 +167,19 @@ class _StateSnapshot:
         dest = as_destination(dest)
         h = self._handler
         primary = writing_process()[0] == 0  # shared files once; every process its own shards
-        records: list[FileRecord] = []
+        metadata: list[tuple[str, bytes]] = []  # written by the same pool, first
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
         for leaf in self._leaves:
             base = f"arrays/{leaf.index}"
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
             if primary:
-                records.append(dest.write_file(f"{base}/zarr.json", json.dumps(meta).encode()))
+                metadata.append((f"{base}/zarr.json", json.dumps(meta).encode()))
             if leaf.shared and not primary:
                 continue
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     jobs.append((f"{base}/{key}", part, leaf.dtype))
-        records += _write_chunks(dest, jobs, h.max_inflight_bytes, h.threads)
+        records = _write_chunks(dest, jobs, h.max_inflight_bytes, h.threads, metadata)
         for leaf in self._leaves:  # a donated buffer may have been overwritten while we read it
             for source in leaf.sources:
                 if source.is_deleted():
@@ -284,8 +284,11 @@ def _write_chunks(
     jobs: list[tuple[str, np.ndarray, np.dtype]],
     max_inflight_bytes: int,
     threads: int,
+    small: Sequence[tuple[str, bytes]] = (),
 ) -> list[FileRecord]:
     """Write chunk files (data, then its crc32c) on a few threads; hashes and writes release the GIL.
+    The `small` files (each leaf's zarr.json) go first, on the same threads: on an object store
+    each is a request, which one after another would delay the chunks. Records in that order.
 
     The crc32c tail is zarr's codec; the record carries the XXH3-128 of the whole file, which is
     what binds the chunk to its place (a CRC over data plus its own CRC is a constant).
@@ -311,12 +314,14 @@ def _write_chunks(
             for _ in range(tickets):
                 budget.release()
 
-    if not jobs:
+    if not jobs and not small:
         return []
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=threads, thread_name_prefix="cairn-write", initializer=lower_thread_priority
     ) as pool:
-        return list(pool.map(lambda job: one(*job), jobs))
+        first = pool.map(lambda file: dest.write_file(*file), small)  # both queued now
+        rest = pool.map(lambda job: one(*job), jobs)
+        return list(first) + list(rest)
 
 
 class TrainStateHandler:

@@ -104,6 +104,9 @@ def commit_step(
         if procs.primary:
             step.abort()
         raise
+    finally:
+        if procs.primary:  # the reports, off the path to the commit
+            procs.forget(f"{key}/written")
     return manifest
 
 

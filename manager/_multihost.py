@@ -91,8 +91,8 @@ class Processes:
 
     def reports(self, name: str) -> list[str]:
         """Every process's `report` under `name`, in process order, in one request to the
-        coordination service; call it after a barrier that follows every report. The reports
-        are deleted from the service once read."""
+        coordination service; call it after a barrier that follows every report (and `forget`
+        them when done)."""
         if self.count == 1:
             raise ValueError(f"reports {name!r}: a single process has nobody to hear from")
         try:
@@ -101,7 +101,6 @@ class Processes:
             raise BarrierTimeoutError(
                 f"process {self.index}: could not read the reports {name!r} ({_first_line(e)})"
             ) from e
-        self.forget(name)
         missing = [i for i in range(self.count) if f"{name}/{i}" not in found]
         if missing:
             raise BarrierTimeoutError(f"processes {missing} did not report {name!r}")
