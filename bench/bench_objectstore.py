@@ -535,48 +535,6 @@ def run_round(spec: dict[str, Any]) -> dict[str, Any]:
 Patch = tuple[Any, str, Any]  # (owner, attribute, replacement)
 
 
-def patch_save_meta_in_pool() -> Patch:
-    """Save: write each leaf's zarr.json on the writer pool, in the same order as the chunks
-    (per leaf: zarr.json, then its chunks), instead of one PUT after another on the commit
-    thread before the pool starts. Only the path this benchmark takes (no save_dtype, one
-    process, NumPy leaves)."""
-    import concurrent.futures as cf
-
-    import crc32c
-    import numpy as np
-
-    from cairn.handlers import _train_state as tsmod
-    from cairn.handlers._files import as_destination, lower_thread_priority
-
-    original = tsmod._StateSnapshot.write
-
-    def write(self: Any, dest: Any) -> Any:
-        h = self._handler
-        if h.save_dtype is not None or any(leaf.sources for leaf in self._leaves):
-            return original(self, dest)
-        dest = as_destination(dest)
-
-        def chunk(relpath: str, part: Any) -> Any:
-            view = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8))
-            return dest.write_file(relpath, [view, crc32c.crc32c(view).to_bytes(4, "little")])
-
-        with cf.ThreadPoolExecutor(h.threads, initializer=lower_thread_priority) as pool:
-            futures = []
-            for leaf in self._leaves:
-                base = f"arrays/{leaf.index}"
-                meta = tsmod._zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
-                data = json.dumps(meta).encode()
-                futures.append(pool.submit(dest.write_file, f"{base}/zarr.json", data))
-                for region, piece in leaf.pieces:
-                    for key, part in tsmod._chunks_of(region, piece, leaf.chunk):
-                        futures.append(pool.submit(chunk, f"{base}/{key}", part))
-            records = [f.result() for f in futures]
-        records.append(dest.write_file(tsmod.TREE, json.dumps(self._tree).encode()))
-        return records
-
-    return tsmod._StateSnapshot, "write", write
-
-
 def patch_restore_meta_from_manifest() -> Patch:
     """Restore: no GET of a leaf's zarr.json when the manifest's record of it (size and
     XXH3-128) is that of the metadata tree.json implies, which is then what the file holds;
@@ -673,7 +631,6 @@ def patched(names: list[str]) -> Iterator[None]:
 
 
 PATCHES = {
-    "save-meta-in-pool": patch_save_meta_in_pool,
     "put-drop-join-early": patch_put_drop_join_early,
     "restore-meta-from-manifest": patch_restore_meta_from_manifest,
     "restore-copy-nogil": patch_restore_copy_nogil,
