@@ -10,9 +10,11 @@ The tree (each also subclasses the builtin in brackets, so ``except LookupError`
     ├── MismatchError             [ValueError]        target and checkpoint disagree (structure, shape, dtype)
     ├── UnsupportedFormatError    [ValueError]        e.g. a manifest written by a newer format version
     ├── ReadOnlyError             [PermissionError]   a write on a manager opened with read_only=True
+    │   └── SupersededError                           a newer writable manager of this process took over
     ├── DirectoryLockedError      [RuntimeError]      another writer holds the directory
     ├── CommitError               [RuntimeError]      a background commit failed (the original is chained)
-    └── BarrierTimeoutError       [TimeoutError]      a process did not reach a barrier in time
+    ├── BarrierTimeoutError       [TimeoutError]      a process did not reach a barrier in time
+    └── MissingDependencyError    [ImportError]       an optional library is not installed (names the extra)
 
 Invalid arguments raise plain ``ValueError`` / ``TypeError`` naming the argument and the value.
 ``cairn.manager`` re-exports all of these, so both layers raise and catch the same types.
@@ -28,9 +30,11 @@ __all__ = [
     "DirectoryLockedError",
     "ItemNotFoundError",
     "MismatchError",
+    "MissingDependencyError",
     "ReadOnlyError",
     "StepAlreadyExistsError",
     "StepNotFoundError",
+    "SupersededError",
     "UnsupportedFormatError",
 ]
 
@@ -67,6 +71,10 @@ class ReadOnlyError(CairnError, PermissionError):
     """A write was asked of a manager opened with ``read_only=True``."""
 
 
+class SupersededError(ReadOnlyError):
+    """A write on a manager whose directory a newer writable manager in this process took over."""
+
+
 class DirectoryLockedError(CairnError, RuntimeError):
     """Another writable manager (possibly in another process) holds the directory."""
 
@@ -77,3 +85,7 @@ class CommitError(CairnError, RuntimeError):
 
 class BarrierTimeoutError(CairnError, TimeoutError):
     """A process did not arrive at a multi-process barrier within the timeout."""
+
+
+class MissingDependencyError(CairnError, ImportError):
+    """An optional library a feature needs is not installed; the message names the pip extra."""

@@ -29,9 +29,11 @@ from cairn.manager.errors import (
     DirectoryLockedError,
     ItemNotFoundError,
     MismatchError,
+    MissingDependencyError,
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    SupersededError,
     UnsupportedFormatError,
 )
 
@@ -55,6 +57,7 @@ __all__ = [
     "KeepLatest",
     "KeepPolicy",
     "MismatchError",
+    "MissingDependencyError",
     "OnPreemption",
     "ReadOnlyError",
     "SaveContext",
@@ -63,6 +66,7 @@ __all__ = [
     "StepInfo",
     "StepNotFoundError",
     "StepView",
+    "SupersededError",
     "UnsupportedFormatError",
     "errors",
     "orbax",

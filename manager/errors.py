@@ -8,9 +8,11 @@ from cairn.handlers.errors import (
     DirectoryLockedError,
     ItemNotFoundError,
     MismatchError,
+    MissingDependencyError,
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    SupersededError,
     UnsupportedFormatError,
 )
 
@@ -22,8 +24,10 @@ __all__ = [
     "DirectoryLockedError",
     "ItemNotFoundError",
     "MismatchError",
+    "MissingDependencyError",
     "ReadOnlyError",
     "StepAlreadyExistsError",
     "StepNotFoundError",
+    "SupersededError",
     "UnsupportedFormatError",
 ]
