@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +28,7 @@ from cairn.handlers.errors import (
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    SupersededError,
     UnsupportedFormatError,
 )
 from cairn.handlers.io import lower_thread_priority, writing_as
@@ -55,7 +57,7 @@ from cairn.manager._policies import (
     steps_to_delete,
 )
 from cairn.manager._preemption import PreemptionWatch
-from cairn.manager._storage import Listed, check_directory, open_storage
+from cairn.manager._storage import Listed, Storage, check_directory, open_storage
 from cairn.manager._validate import (
     as_step,
     check_barrier_timeout,
@@ -139,6 +141,13 @@ class CheckpointManager:
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError
     otherwise); any number of ``read_only=True`` managers may read alongside it.
+
+    In one process, a new writable manager of a directory takes over from the one open there
+    (T5X and SpeechBrain code builds a second checkpointer on a directory without closing the
+    first): its constructor waits for the old manager's pending commits and retention, the old
+    one lets go of the lock or lease and turns read-only (a warning is logged), and a later
+    write on it raises SupersededError. The old manager must not be inside a call on another
+    thread meanwhile; its reads keep working (`reload` to see the new manager's steps).
     """
 
     def __init__(
@@ -197,6 +206,10 @@ class CheckpointManager:
                 f"{self._procs.count - 1} processes of this jax.distributed run cannot see it "
                 "(use a shared filesystem, s3:// or gs://)"
             )
+        self._superseded: str | None = None  # why saves now raise, once a newer manager took over
+        self._key = _writer_key(self._storage)
+        if not read_only:
+            _take_over(self._key, self)
         self._catalog = Catalog(journal=self._procs.count > 1 and self._procs.primary)
         self._retired: dict[int, Manifest | None] = {}  # primary: retired, shares not yet deleted
         self._errors_lock = threading.Lock()
@@ -224,6 +237,7 @@ class CheckpointManager:
             if self._writer:
                 self._storage.release()
             self._storage.close()
+            _forget_writer(self._key, self)
             raise
         if not read_only and async_save:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -680,6 +694,7 @@ class CheckpointManager:
             if self._writer:
                 self._storage.release()
             self._storage.close()
+            _forget_writer(self._key, self)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -1048,7 +1063,43 @@ class CheckpointManager:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
         self._catalog.replace(self._on_commit_thread(self._scan))
 
+    def _hand_over(self) -> None:
+        """A newer writable manager of this process opens the directory: finish what is
+        pending, let go of the directory and stay open for reading. An error of a pending
+        commit is logged and stays kept for this manager's next call."""
+        if self._closed or self._superseded:
+            return
+        self._superseded = (
+            f"a newer writable CheckpointManager of {self._where} in this process took over; "
+            "this one is read-only now. Save through the new one (or close it and open a "
+            "new manager)"
+        )
+        try:
+            self._drain()
+        finally:
+            for pool in (self._executor, self._reclaimer):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._executor = self._reclaimer = None
+            if self._preemption is not None:
+                self._preemption.close()
+                self._preemption = None
+            if self._writer:
+                self._storage.release()
+                self._writer = False
+            self._read_only = True
+        with self._errors_lock:
+            pending = [f"{what}: {type(e).__name__}: {e}" for what, e in self._errors]
+        log.warning(
+            "cairn: a newer writable CheckpointManager of %s in this process took over; the "
+            "older one finished its pending commits and is read-only now%s",
+            self._where,
+            f" (they failed: {pending})" if pending else "",
+        )
+
     def _check_writable(self, what: str) -> None:
+        if self._superseded is not None:
+            raise SupersededError(f"{what}: {self._superseded}")
         if self._read_only:
             raise ReadOnlyError(
                 f"{what}: this manager of {self._where} was opened with read_only=True"
@@ -1090,6 +1141,33 @@ def _naming_item(name: str) -> Iterator[None]:
 
 # Writable managers opened per directory in this process (collective keys).
 _OPENED: dict[str, int] = {}
+
+# The writable manager open on each directory in this process: a new one takes over from it.
+_WRITERS: dict[str, weakref.ref[CheckpointManager]] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _writer_key(storage: Storage) -> str:
+    """One key per directory, however it was spelled (links and ``..`` resolved)."""
+    where = storage.directory
+    return os.path.realpath(where) if isinstance(where, Path) else storage.url
+
+
+def _take_over(key: str, manager: CheckpointManager) -> None:
+    """Register `manager` as the directory's writer; the one registered before hands over."""
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+        _WRITERS[key] = weakref.ref(manager)
+    previous = ref() if ref is not None else None
+    if previous is not None and previous is not manager:
+        previous._hand_over()
+
+
+def _forget_writer(key: str, manager: CheckpointManager) -> None:
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+        if ref is not None and ref() in (manager, None):
+            del _WRITERS[key]
 
 
 def _uses_time(policy: Any) -> bool:

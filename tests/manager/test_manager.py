@@ -22,7 +22,6 @@ from cairn.manager import (
     CheckpointManager,
     CommitError,
     CorruptCheckpointError,
-    DirectoryLockedError,
     EveryNSteps,
     ItemNotFoundError,
     KeepBest,
@@ -30,6 +29,7 @@ from cairn.manager import (
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    SupersededError,
     UnsupportedFormatError,
 )
 from cairn.manager._format import dump_checked
@@ -228,14 +228,15 @@ def test_leftovers_are_removed_at_start_but_not_by_readers(tmp_path: Path) -> No
 
 
 def test_one_writer_per_directory(tmp_path: Path) -> None:
-    """A second writable manager is refused; readers are not; the lock goes with close()."""
+    """A second writable manager in this process takes over (tests/manager/test_takeover.py);
+    readers open alongside; the lock goes with the writer's close()."""
     first = CheckpointManager(tmp_path)
-    with pytest.raises(
-        DirectoryLockedError, match="held by another writable CheckpointManager in this process"
-    ):
-        CheckpointManager(tmp_path)
+    second = CheckpointManager(tmp_path)
+    with pytest.raises(SupersededError):
+        first.save(1, {"s": [1]})
     CheckpointManager(tmp_path, read_only=True).close()
     first.close()
+    second.close()
     CheckpointManager(tmp_path).close()
 
 
