@@ -112,6 +112,10 @@ class Catalog:
         with self._lock:
             self._inflight.add(step)
 
+    def any_in_flight(self) -> bool:
+        with self._lock:
+            return bool(self._inflight)
+
     def in_flight(self, step: int) -> bool:
         with self._lock:
             return step in self._inflight

@@ -25,6 +25,7 @@ FORMAT_VERSION = 2
 MANIFEST = "_CHECKPOINT.json"
 METRICS = "metrics.json"
 LOCK = ".cairn.lock"
+ROOT_METADATA = "cairn_metadata.json"  # the directory's own metadata, written once
 TRASH_PREFIX = ".trash-"
 _TMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")
 

@@ -31,10 +31,11 @@ from cairn.handlers.errors import (
     SupersededError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import lower_thread_priority, writing_as
+from cairn.handlers.io import lower_thread_priority, parse_json, writing_as
 from cairn.manager import _commit, _exit, _telemetry
 from cairn.manager._catalog import Catalog, StepRecord, read_record
 from cairn.manager._format import (
+    ROOT_METADATA,
     Manifest,
     StepNames,
     check_metadata,
@@ -168,6 +169,7 @@ class CheckpointManager:
         primary_process: int = 0,
         storage_options: Mapping[str, Any] | None = None,
         tensorboard_dir: str | os.PathLike[str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         target = check_directory(directory)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
@@ -188,6 +190,10 @@ class CheckpointManager:
         self._read_only = check_flag("read_only", read_only)
         self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
         self._timeout = check_barrier_timeout(barrier_timeout)
+        try:
+            given = None if metadata is None else check_metadata(metadata)
+        except TypeError as e:
+            raise TypeError(f"metadata= (the directory's metadata): {e}") from None
         if tensorboard_dir is not None and not isinstance(tensorboard_dir, (str, os.PathLike)):
             raise TypeError(f"tensorboard_dir must be a path, got {tensorboard_dir!r}")
         # Writers of a jax.distributed run coordinate; readers need not, but restore each
@@ -206,6 +212,7 @@ class CheckpointManager:
                 f"{self._procs.count - 1} processes of this jax.distributed run cannot see it "
                 "(use a shared filesystem, s3:// or gs://)"
             )
+        self._given_metadata = given
         self._superseded: str | None = None  # why saves now raise, once a newer manager took over
         self._key = _writer_key(self._storage)
         if not read_only:
@@ -222,6 +229,8 @@ class CheckpointManager:
             if self._writer:
                 self._storage.acquire()
                 self._storage.clean_leftovers(self._names)
+                if given is not None:
+                    self._save_root_metadata(given)
             if self._procs.primary:
                 self._catalog.replace(self._scan())
             self._run = self._open_together()
@@ -657,6 +666,10 @@ class CheckpointManager:
             return fn()
         return self._executor.submit(fn).result()
 
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save is still being written or committed (Orbax's name)."""
+        return self._catalog.any_in_flight()
+
     # ------------------------------------------------------------------ waiting and errors
 
     def wait_until_finished(self) -> None:
@@ -987,6 +1000,40 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------ metrics
+
+    def metadata(self, step: Any = None) -> dict[str, Any]:
+        """The directory's metadata (None: given once as ``metadata=``; the first writable
+        manager that gave one saved it, later ones keep it), or a step's ``metadata=``."""
+        if step is not None:
+            return dict(self.info(step).metadata)
+        where = f"{self._where}/{ROOT_METADATA}"
+        data = self._storage.read_root_file(ROOT_METADATA)
+        if data is None:
+            return dict(self._given_metadata or {})
+        found = parse_json(data, where)
+        try:
+            if not isinstance(found, dict) or set(found) != {"custom_metadata"}:
+                raise TypeError('not {"custom_metadata": {...}}')
+            return check_metadata(found["custom_metadata"])
+        except (TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+
+    def _save_root_metadata(self, given: dict[str, Any]) -> None:
+        """Write the directory's metadata unless it has some (then keep it, as Orbax does)."""
+        body = json.dumps({"custom_metadata": given}, allow_nan=False, sort_keys=True).encode()
+        if self._storage.create_root_file(ROOT_METADATA, body):
+            return
+        try:
+            kept = self.metadata() == given
+        except CorruptCheckpointError as e:  # a damaged file does not stop the run; metadata() says
+            log.warning("cairn: %s; metadata= given now is not saved", e)
+            return
+        if not kept:
+            log.warning(
+                "cairn: %s already has metadata (%s); metadata= given now is not saved",
+                self._where,
+                ROOT_METADATA,
+            )
 
     def metrics(self, step: Any) -> dict[str, float]:
         """The metrics of a step: those given to save, updated by record_metrics (later wins)."""

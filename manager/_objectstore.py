@@ -562,6 +562,13 @@ class KvStorage:
         self.check_writer()
         self.store.write(f"{name}/{METRICS}", body)
 
+    def create_root_file(self, name: str, body: bytes) -> bool:
+        self.check_writer()
+        return self.store.create(name, body) is not None
+
+    def read_root_file(self, name: str) -> bytes | None:
+        return self.store.read(name)
+
 
 class _KvPrepared:
     """A claimed step prefix being written; the manifest, replacing the claim, is the commit."""

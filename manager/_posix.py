@@ -218,12 +218,38 @@ class PosixStorage:
     def write_metrics(self, name: str, body: bytes) -> None:
         _replace_file(self.root / name, METRICS, body)
 
+    def create_root_file(self, name: str, body: bytes) -> bool:
+        tmp = self.root / f"{_ROOT_TMP}{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.root / name)  # atomic, and refuses an existing name (or link)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.root)
+        return True
+
+    def read_root_file(self, name: str) -> bytes | None:
+        try:
+            return read_no_follow(self.root / name)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"{self.root / name} cannot be read as a regular file (cairn follows no link "
+                f"there): {e.strerror or e}"
+            ) from None
+
     def clean_leftovers(self, names: StepNames) -> list[str]:
         """Temporary and trash entries a crashed writer left behind, and half-written
         replacements of a step's manifest or metrics."""
         removed = []
         for entry in os.scandir(self.root):
-            if entry.name.startswith(TRASH_PREFIX) or names.is_temporary(entry.name):
+            if entry.name.startswith((TRASH_PREFIX, _ROOT_TMP)) or names.is_temporary(entry.name):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
                 else:
@@ -243,6 +269,7 @@ class PosixStorage:
         return removed
 
 
+_ROOT_TMP = ".cairn-root.tmp-"  # a root file being created (create_root_file)
 _REPLACING = (f".{METRICS}.tmp-", f".{MANIFEST}.tmp-")
 
 

@@ -156,6 +156,15 @@ class Storage(Protocol):
         """Replace ``metrics.json`` of a committed step atomically."""
         ...
 
+    def create_root_file(self, name: str, body: bytes) -> bool:
+        """Create the file `name` beside the steps, atomically and only if it does not exist;
+        False if it did (then it is left as it is)."""
+        ...
+
+    def read_root_file(self, name: str) -> bytes | None:
+        """The bytes of the file `name` beside the steps, or None if there is none."""
+        ...
+
     def source(self, name: str, item: str) -> Source:
         """Where a restore reads `item` of step `name` from."""
         ...
