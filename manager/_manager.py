@@ -214,6 +214,7 @@ class CheckpointManager:
             )
         self._given_metadata = given
         self._superseded: str | None = None  # why saves now raise, once a newer manager took over
+        self._refuse_other_naming()  # every process: none may wait for a primary that refused
         self._key = _writer_key(self._storage)
         if not read_only:
             _take_over(self._key, self)
@@ -1109,6 +1110,27 @@ class CheckpointManager:
     def reload(self) -> None:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
         self._catalog.replace(self._on_commit_thread(self._scan))
+
+    def _refuse_other_naming(self) -> None:
+        """ValueError, before anything is written, if the directory holds orbax-checkpoint's
+        steps under a naming other than ours and none under ours: a trainer would otherwise
+        start from scratch beside them."""
+        other = self._storage.other_naming(self._names)
+        if other is None:
+            return
+        self._storage.close()
+        option = f"step_prefix={other.prefix!r}" + (
+            f", step_digits={other.digits}" if other.digits is not None else ""
+        )
+        ours = f"step_prefix={self._names.prefix!r}" + (
+            f", step_digits={self._names.digits}" if self._names.digits is not None else ""
+        )
+        raise ValueError(
+            f"{self._where} holds steps written by orbax-checkpoint named like "
+            f"{other.format(0)!r}, and none named as {ours} expects "
+            f"({self._names.format(0)!r}); open it with CheckpointManager(..., {option}) to "
+            "read them in place (read-only) and save new steps beside them"
+        )
 
     def _hand_over(self) -> None:
         """A newer writable manager of this process opens the directory: finish what is

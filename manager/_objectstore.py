@@ -416,6 +416,10 @@ class KvStorage:
 
     # ------------------------------------------------------------------ listing and reading
 
+    def other_naming(self, names: StepNames) -> StepNames | None:
+        """Not looked for: cairn reads Orbax steps in place on local filesystems only."""
+        return None
+
     def scan(self, names: StepNames) -> list[Listed]:
         """Committed steps: prefixes with a manifest (one LIST of the directory, then one GET
         per step's manifest and metrics)."""

@@ -8,11 +8,13 @@ across processes, through an advisory lock on ``.cairn.lock``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -112,6 +114,28 @@ class PosixStorage:
                 if listed is not None:
                     found.append(listed)
         return sorted(found, key=lambda listed: listed.step)
+
+    def other_naming(self, names: StepNames) -> StepNames | None:
+        try:
+            entries = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return None
+        if any(names.parse(e.name) is not None for e in entries):
+            return None
+        by_naming: dict[tuple[str, int | None], list[tuple[int, str]]] = {}
+        for entry in entries:
+            match = _STEP_LIKE.fullmatch(entry.name)
+            if match is None:
+                continue
+            prefix, number = match.group(1) or "", match.group(2)
+            digits = len(number) if number.startswith("0") and len(number) > 1 else None
+            by_naming.setdefault((prefix, digits), []).append((int(number), entry.path))
+        for (prefix, digits), steps in sorted(by_naming.items(), key=lambda kv: -len(kv[1])):
+            newest = sorted(steps, reverse=True)[:3]  # a few are enough to tell
+            with contextlib.suppress(OSError):
+                if any(orbax_step(step, Path(path)) is not None for step, path in newest):
+                    return StepNames(prefix, digits)
+        return None
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:
         path = self.root / names.format(step)
@@ -269,6 +293,8 @@ class PosixStorage:
         return removed
 
 
+# A step directory under some naming: ``123``, ``step_123``, ``ckpt-000123`` (for other_naming).
+_STEP_LIKE = re.compile(r"(?:([A-Za-z0-9_\-]*?)_)?([0-9]{1,20})")
 _ROOT_TMP = ".cairn-root.tmp-"  # a root file being created (create_root_file)
 _REPLACING = (f".{METRICS}.tmp-", f".{MANIFEST}.tmp-")
 

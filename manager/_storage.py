@@ -114,6 +114,11 @@ class Storage(Protocol):
         """Every committed step, by step number."""
         ...
 
+    def other_naming(self, names: StepNames) -> StepNames | None:
+        """When no entry is named as `names` expects but orbax-checkpoint's steps are there
+        under another naming (Orbax's default is a plain number), that naming; else None."""
+        ...
+
     def read_step(self, names: StepNames, step: int) -> Listed | None:
         """One step read again (its manifest may have changed); None if it is gone."""
         ...
