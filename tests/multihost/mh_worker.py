@@ -288,7 +288,13 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     from cairn.handlers import JsonHandler
-    from cairn.manager import CheckpointManager, CommitError, EveryNSeconds, KeepLatest
+    from cairn.manager import (
+        CheckpointManager,
+        CommitError,
+        EveryNSeconds,
+        KeepLatest,
+        SupersededError,
+    )
 
     n = procs.count
     mesh = Mesh(np.array(jax.devices()).reshape(n, 2), ("data", "model"))
@@ -375,12 +381,19 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         mgr.delete(2)  # right after a save: the others must have re-read the directory first
         assert mgr.all_steps() == [5], mgr.all_steps()
         print("files", sorted(mgr.info(5).items["state"].files), flush=True)
-    with CheckpointManager(
-        directory, handlers=handlers, barrier_timeout=5
-    ) as again:  # a second one
-        again.save(6, {"state": state(6), "config": {"lr": 0.1}})
-        again.wait_until_finished()
-        assert again.all_steps() == [5, 6], again.all_steps()
+        mgr.save(6, {"state": state(6), "config": {"lr": 0.1}})  # pending when the next opens
+        with CheckpointManager(
+            directory, handlers=handlers, barrier_timeout=5
+        ) as again:  # a second one, in the same processes: it takes over
+            assert again.all_steps() == [5, 6], again.all_steps()
+            try:
+                mgr.save(8, {"state": state(8), "config": {"lr": 0.1}})
+                raise AssertionError("the superseded manager saved")
+            except SupersededError:
+                pass
+            again.save(7, {"state": state(7), "config": {"lr": 0.1}})
+            again.wait_until_finished()
+            assert again.all_steps() == [5, 6, 7], again.all_steps()
     left = procs.client.key_value_dir_get("cairn/")
     print("coordination keys", sorted(k for k, _ in left if "/open/" not in k), flush=True)
 
