@@ -34,6 +34,7 @@ from cairn.handlers.errors import (
     StepAlreadyExistsError,
 )
 from cairn.handlers.io import open_regular, read_no_follow
+from cairn.manager import _t5x_legacy as legacy  # existing T5X runs: T5X's own layouts
 from cairn.manager._format import MANIFEST, Manifest
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._policies import (
@@ -243,6 +244,9 @@ def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
         match = _STEP_DIR.fullmatch(entry.name)
         if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found.setdefault(int(match.group(1)), Path(entry.path))
+    # existing T5X runs (manager/_t5x_legacy.py): steps T5X wrote count too, read-only
+    for step, step_dir in legacy.t5x_steps(root).items():
+        found.setdefault(step, step_dir)
     return found
 
 
@@ -289,8 +293,8 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> str:
                     raise ValueError(f"Path is not a valid checkpoint: {text} (no checkpoints)")
             found = _committed(candidate).get(as_step(step))
             candidate = found if found is not None else Path(get_checkpoint_dir(candidate, step))
-        candidate = candidate / MANIFEST
-    if not candidate.is_file() or candidate.name != MANIFEST:
+        candidate = candidate / legacy.checkpoint_file(candidate)  # T5X's: its `checkpoint`
+    if not candidate.is_file() or candidate.name != legacy.checkpoint_file(candidate.parent):
         raise ValueError(f"Path is not a valid checkpoint: {candidate}")
     return str(candidate)
 
@@ -325,6 +329,18 @@ def load_t5x_checkpoint(
         raise TypeError("remap and lazy_parameters must be bools")
     mgr, found = _open_step(path, step)
     with mgr:
+        # existing T5X runs (manager/_t5x_legacy.py): a step in T5X's legacy or Orbax layout
+        foreign = legacy.load_foreign(
+            mgr,
+            found,
+            state_item=STATE,
+            fns=fns if remap else (),
+            restore_dtype=restore_dtype,
+            cast=_is_target,
+            lazy=lazy_parameters,
+        )
+        if foreign is not None:
+            return foreign
         transforms = [lambda state, target, fn=fn: fn(state, {}) for fn in fns] if remap else []
         opts = TrainStateRestore(
             None,
@@ -697,6 +713,22 @@ class _T5XCheckpointing:
                     f"(steps: {mgr.all_steps()})"
                 )
         try:
+            # existing T5X runs (manager/_t5x_legacy.py): a step in T5X's legacy or Orbax layout
+            foreign = legacy.restore_foreign(
+                mgr,
+                step,
+                _restore_target(self._template, self._partitioner),
+                state_item=STATE,
+                dataset_item=DATASET,
+                dataset_iterator=self._dataset_iterator,
+                restore_dtype=self.restore_dtype,
+                cast=_is_target,
+                transforms=list(fns),
+                fallback_state=None if fallback_state is None else _state_dict(fallback_state),
+                lazy=lazy_parameters,
+            )
+            if foreign is not None:
+                return _rebuild(self._template, foreign)
             opts = TrainStateRestore(
                 _restore_target(self._template, self._partitioner),
                 restore_dtype=self.restore_dtype,
