@@ -17,6 +17,7 @@ import math
 import os
 import re
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,12 +26,14 @@ from typing import Any, Literal
 import crc32c
 import numpy as np
 
+from cairn.handlers import LazyArray as _StoredLazy
 from cairn.handlers import TfDataIteratorHandler, TrainStateHandler, TrainStateRestore
 from cairn.handlers import handler_for as _handler_for
 from cairn.handlers.errors import (
     CairnError,
     CorruptCheckpointError,
     ItemNotFoundError,
+    MismatchError,
     StepAlreadyExistsError,
 )
 from cairn.handlers.io import open_regular, read_no_follow
@@ -52,6 +55,7 @@ from cairn.manager._validate import as_step
 log = logging.getLogger("cairn")
 
 STATE, DATASET, PREFIX = "state", "dataset", "checkpoint"
+PINNED = "PINNED"  # T5X's checkpoint_utils.pin_checkpoint: a step holding this file is kept
 _STEP_DIR = re.compile(r"checkpoint_(\d+)")
 
 PathLike = str | os.PathLike[str]
@@ -195,6 +199,226 @@ def _check_keep(value: Any, what: str) -> int | None:
     return value
 
 
+# ---------------------------------------------------------------------------- restoring as T5X
+
+
+class LazyArray:
+    """T5X's LazyArray: a leaf that reads its value on ``get()`` (``lazy_parameters=True``).
+
+    `shape` and `dtype` are known without reading; ``astype(dtype)`` returns another LazyArray
+    that casts when read; ``get()`` reads again on every call (nothing is cached, as T5X), and
+    ``get_async()`` reads on a thread and returns an asyncio future. Every leaf of a lazily
+    restored state is one, 0-d ones (``step``, scalar optimizer states) included.
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: Any, get_fn: Callable[[], Any]) -> None:
+        if not callable(get_fn):
+            raise TypeError(f"LazyArray: get_fn must be callable, got {get_fn!r}")
+        self._shape = tuple(int(d) for d in shape)
+        self._dtype = np.dtype(dtype)
+        self._get_fn = get_fn
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self._shape) * self._dtype.itemsize
+
+    def astype(self, dtype: Any) -> LazyArray:
+        return type(self)(self._shape, dtype, self._get_fn)
+
+    def get(self) -> np.ndarray:
+        arr = np.asarray(self._get_fn())
+        return arr if arr.dtype == self._dtype else arr.astype(self._dtype)
+
+    def get_async(self) -> Any:
+        import asyncio
+
+        return asyncio.wrap_future(_lazy_pool().submit(self.get))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.get()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+_POOL: list[Any] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _lazy_pool() -> Any:
+    with _POOL_LOCK:
+        if not _POOL:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL.append(ThreadPoolExecutor(thread_name_prefix="cairn-t5x-lazy"))
+        return _POOL[0]
+
+
+_NUMBERS = (bool, int, float, complex, np.generic)
+
+
+def _as_t5x_lazy(leaf: Any) -> Any:
+    """A restored leaf as T5X's LazyArray (arrays and numbers; strings and None stay)."""
+    if isinstance(leaf, LazyArray):
+        return leaf
+    if isinstance(leaf, _StoredLazy):
+        return LazyArray(leaf.shape, leaf.dtype, leaf.get)
+    if isinstance(leaf, _NUMBERS) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        value = leaf
+        return LazyArray(np.shape(value), np.asarray(value).dtype, lambda: value)
+    return leaf
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _map_leaves(
+    tree: Any, fn: Callable[[tuple[str, ...], Any], Any], path: tuple[str, ...] = ()
+) -> Any:
+    """`fn(names, leaf)` over the leaves of a pytree (dicts, lists, tuples, namedtuples and
+    JAX-registered nodes), keeping its containers; None stays None."""
+    if tree is None:
+        return None
+    if isinstance(tree, Mapping):
+        out = {k: _map_leaves(v, fn, (*path, str(k))) for k, v in tree.items()}
+        maker: Any = type(tree)
+        try:
+            return maker(out)
+        except TypeError:
+            return out
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(
+            *[_map_leaves(v, fn, (*path, f)) for f, v in zip(tree._fields, tree, strict=True)]
+        )
+    if isinstance(tree, (list, tuple)):
+        values = [_map_leaves(v, fn, (*path, str(i))) for i, v in enumerate(tree)]
+        return values if isinstance(tree, list) else tuple(values)
+    if "jax" in sys.modules and not hasattr(tree, "dtype") and not isinstance(tree, _StoredLazy):
+        from jax import tree_util
+
+        flat = tree_util.default_registry.flatten_one_level_with_keys(tree)
+        if flat is not None:
+            children = [_map_leaves(v, fn, (*path, _key_name(k))) for k, v in flat[0]]
+            one_level = tree_util.tree_structure(tree, is_leaf=lambda x: x is not tree)
+            return tree_util.tree_unflatten(one_level, children)
+    return fn(path, tree)
+
+
+def _leaves(tree: Any) -> dict[tuple[str, ...], Any]:
+    found: dict[tuple[str, ...], Any] = {}
+
+    def add(path: tuple[str, ...], leaf: Any) -> Any:
+        found[path] = leaf
+        return leaf
+
+    _map_leaves(tree, add)
+    return found
+
+
+def _check_shapes(state: Any, template: Any) -> None:
+    """T5X's check and message: every array of the template has its shape in the checkpoint."""
+    read = _leaves(state)
+    for path, want in _leaves(template).items():
+        have: Any = read.get(path)
+        if not (hasattr(want, "shape") and hasattr(have, "shape")):
+            continue
+        if tuple(have.shape) != tuple(want.shape):
+            name = "/".join(path)
+            raise MismatchError(
+                f"Shape of `{name}` in checkpoint {tuple(have.shape)} does not match expected "
+                f"{tuple(want.shape)}."
+            )
+
+
+def _cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
+    """T5X's ``_cast``: arrays (and LazyArrays) not of `dtype` are cast; Python numbers and
+    strings are left alone."""
+    if isinstance(leaf, (bool, int, float, complex, str, bytes)) or not hasattr(leaf, "dtype"):
+        return leaf
+    if np.dtype(leaf.dtype) == dtype:
+        return leaf
+    return leaf.astype(dtype)
+
+
+def _cast_target(state: dict[str, Any], dtype: np.dtype | None) -> dict[str, Any]:
+    if dtype is None or "target" not in state:
+        return state
+    return {**state, "target": _map_leaves(state["target"], lambda _, x: _cast_leaf(x, dtype))}
+
+
+def _with_target(fn: Callable[..., Any], target: Any) -> Callable[[Any, Any], Any]:
+    """A restore transformation called as T5X calls it: ``fn(state_dict, target_state_dict)``."""
+    return lambda state, _: fn(state, target)
+
+
+class _AnyLeaf:
+    """Where the template has a leaf, while the checkpoint's structure is matched against it:
+    no shape or dtype, so they are checked here with T5X's message, and dtypes come from the
+    checkpoint."""
+
+
+_ANY = _AnyLeaf()
+
+
+def _read_state(
+    mgr: CheckpointManager,
+    step: int,
+    *,
+    template: dict[str, Any] | None,
+    transforms: Sequence[Callable[[Any, Any], Any]],
+    fallback_state: Any,
+    lazy: bool,
+    restore_dtype: np.dtype | None,
+    dataset: Any = None,
+) -> dict[str, Any]:
+    """The train state of `step` as T5X restores it.
+
+    First the checkpoint is opened lazily (nothing read but its structure): the transforms run,
+    the fallback fills the gaps, the result takes the template's structure, and each array's
+    shape is checked against the template's. Leaves keep the dtype saved in the checkpoint
+    (T5X: the template gives structure, shapes and placement, not dtypes); `restore_dtype`
+    then casts every array of ``target``. Lazily, every leaf is a LazyArray; else all leaves are
+    read at once, placed as the template's (or the partitioner's) arrays.
+    """
+    skeleton = None if template is None else _map_leaves(template, lambda _, x: _ANY)
+    opened = TrainStateRestore(
+        skeleton,
+        restore_dtype=restore_dtype,  # floating params are cast while read
+        cast=_is_target,
+        transforms=[*transforms, lambda state, _: state],  # always the path without dtype checks
+        fallback_state=fallback_state,
+        lazy=True,
+    )
+    state: dict[str, Any] = mgr.restore(step, {STATE: opened})[STATE]
+    if template is not None:
+        _check_shapes(state, template)
+    if lazy:
+        if dataset is not None:
+            mgr.restore(step, {DATASET: dataset})
+        state = _map_leaves(state, lambda _, x: _as_t5x_lazy(x))
+    else:
+        items: dict[str, Any] = {
+            STATE: TrainStateRestore(template, transforms=[lambda _s, _t: state])
+        }
+        if dataset is not None:
+            items[DATASET] = dataset
+        state = mgr.restore(step, items)[STATE]
+    return _cast_target(state, restore_dtype)
+
+
 # ---------------------------------------------------------------------------- directories
 
 
@@ -321,8 +545,9 @@ def load_t5x_checkpoint(
 
     The dict has T5X's layout (``{"target": ..., "state": {"step", "param_states"}}``).
     `state_transformation_fns` run in order as ``fn(state_dict, {})`` when `remap` is True (as
-    T5X; `remap=False` skips them). `restore_dtype` casts the floating leaves of ``target``.
-    `lazy_parameters` returns LazyArrays that read on ``.get()``.
+    T5X; `remap=False` skips them). Leaves keep the dtype saved in the checkpoint;
+    `restore_dtype` casts every array of ``target`` (integer ones too, as T5X).
+    `lazy_parameters` returns every leaf as a LazyArray that reads on ``.get()``.
     """
     fns = _check_fns(state_transformation_fns, "state_transformation_fns")
     if not isinstance(remap, bool) or not isinstance(lazy_parameters, bool):
@@ -342,14 +567,15 @@ def load_t5x_checkpoint(
         if foreign is not None:
             return foreign
         transforms = [lambda state, target, fn=fn: fn(state, {}) for fn in fns] if remap else []
-        opts = TrainStateRestore(
-            None,
-            restore_dtype=restore_dtype,
-            cast=_is_target,
+        restored = _read_state(
+            mgr,
+            found,
+            template=None,
             transforms=transforms,
+            fallback_state=None,
             lazy=lazy_parameters,
+            restore_dtype=None if restore_dtype is None else np.dtype(restore_dtype),
         )
-        restored: dict[str, Any] = mgr.restore(found, {STATE: opts})[STATE]
     if restore_dtype is not None and "target" not in restored:
         raise ValueError(
             f"restore_dtype={restore_dtype} was specified, but no `target` parameters were loaded."
@@ -596,6 +822,38 @@ class _KeepBestFromEvents:
 # ---------------------------------------------------------------------------- checkpointers
 
 
+def _check_dtype(value: Any, what: str) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        return np.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{what} must be None or a dtype, got {value!r}") from e
+
+
+class _LiveKeep:
+    """The keep policy a T5X checkpointer gives its manager: it asks the checkpointer at every
+    retention (so ``checkpointer.keep = 1`` takes effect at the next save), and never drops a
+    step pinned with T5X's ``checkpoint_utils.pin_checkpoint`` (a ``PINNED`` file in the step
+    directory; a pinned step still counts towards `keep`, as in T5X). `item` None: whole steps;
+    else the dataset iterator item (`keep_dataset_checkpoints`)."""
+
+    def __init__(self, owner: _T5XCheckpointing, item: str | None) -> None:
+        self._owner, self._item = owner, item
+
+    def keep(self, steps: Sequence[StepView]) -> set[int]:
+        if self._item is None:
+            policy = self._owner._current_keep()
+        else:
+            n = _check_keep(self._owner.keep_dataset_checkpoints, "keep_dataset_checkpoints")
+            policy = KeepLatest(n) if n else KeepAll()
+        return set(policy.keep(steps)) | self._owner._pinned({v.step for v in steps})
+
+    def __repr__(self) -> str:
+        what = "steps" if self._item is None else f"item {self._item!r}"
+        return f"T5X retention of {what} in {self._owner.checkpoints_dir!r} (PINNED kept)"
+
+
 class DatasetCheckpointHandler(TfDataIteratorHandler):
     """T5X's name for the tf.data iterator handler: cairn's TfDataIteratorHandler.
 
@@ -624,7 +882,7 @@ class _T5XCheckpointing:
         dataset_iterator: Any,
         *,
         save_policy: Any,
-        keep: KeepPolicy,
+        keep: Callable[[], KeepPolicy],
         keep_dataset_checkpoints: int | None,
         save_dtype: Any,
         restore_dtype: Any,
@@ -635,24 +893,77 @@ class _T5XCheckpointing:
         if dataset_iterator is not None:
             _handler_for(dataset_iterator)  # TypeError if no handler saves it
         self._dataset_iterator = dataset_iterator
-        self.checkpoints_dir = os.fspath(checkpoints_dir)
-        self.save_dtype = None if save_dtype is None else np.dtype(save_dtype)
-        self.restore_dtype = None if restore_dtype is None else np.dtype(restore_dtype)
-        ds_keep = _check_keep(keep_dataset_checkpoints, "keep_dataset_checkpoints")
-        handler = TrainStateHandler(save_dtype=self.save_dtype, save_dtype_where=_is_target)
+        self._handler = TrainStateHandler(save_dtype_where=_is_target)
+        self.save_dtype = save_dtype
+        self.restore_dtype = restore_dtype
+        self.keep_dataset_checkpoints = keep_dataset_checkpoints
+        self._save_policy = save_policy
+        self._current_keep = keep  # asked at every retention: attributes set later count
+        self._dir = os.fspath(checkpoints_dir)
+        self._manager = self._open()
+
+    def _open(self) -> CheckpointManager | None:
         # checkpoints_dir="" is T5X's restore-only checkpointer: it restores by path, never saves.
-        self._manager = (
-            None
-            if self.checkpoints_dir == ""
-            else CheckpointManager(
-                self.checkpoints_dir,
-                save=save_policy,
-                keep=keep,
-                keep_items={DATASET: KeepLatest(ds_keep)} if ds_keep else None,
-                handlers={STATE: handler},
-                step_prefix=PREFIX,
-            )
+        if self._dir == "":
+            return None
+        return CheckpointManager(
+            self._dir,
+            save=self._save_policy,
+            keep=_LiveKeep(self, None),
+            keep_items={DATASET: _LiveKeep(self, DATASET)},
+            handlers={STATE: self._handler},
+            step_prefix=PREFIX,
         )
+
+    # T5X's documented attributes: each may be set after construction and takes effect.
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return self._dir
+
+    @checkpoints_dir.setter
+    def checkpoints_dir(self, value: PathLike) -> None:
+        if not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"checkpoints_dir must be a path, got {value!r}")
+        new = os.fspath(value)
+        if new == self._dir:
+            return
+        if self._manager is not None:
+            self._manager.close()  # pending saves land in the old directory first
+        self._dir, self._manager = new, None
+        self._manager = self._open()
+
+    @property
+    def save_dtype(self) -> np.dtype | None:
+        return self._handler.save_dtype
+
+    @save_dtype.setter
+    def save_dtype(self, value: Any) -> None:
+        self._handler.save_dtype = _check_dtype(value, "save_dtype")
+
+    @property
+    def restore_dtype(self) -> np.dtype | None:
+        return self._restore_dtype
+
+    @restore_dtype.setter
+    def restore_dtype(self, value: Any) -> None:
+        self._restore_dtype = _check_dtype(value, "restore_dtype")
+
+    @property
+    def keep_dataset_checkpoints(self) -> int | None:
+        return self._keep_dataset_checkpoints
+
+    @keep_dataset_checkpoints.setter
+    def keep_dataset_checkpoints(self, value: int | None) -> None:
+        _check_keep(value, "keep_dataset_checkpoints")
+        self._keep_dataset_checkpoints = value
+
+    def _pinned(self, steps: set[int]) -> set[int]:
+        """The steps among `steps` pinned by T5X's checkpoint_utils.pin_checkpoint."""
+        return {s for s in steps if os.path.exists(os.path.join(self._step_dir(s), PINNED))}
+
+    def _step_dir(self, step: int) -> str:
+        return get_checkpoint_dir(self._dir, step)
 
     @property
     def manager(self) -> CheckpointManager:
@@ -673,6 +984,10 @@ class _T5XCheckpointing:
     ) -> bool:
         fns = _check_fns(state_transformation_fns, "state_transformation_fns")
         state_dict = _call_save_fns(fns, _state_dict(train_state))
+        # T5X saves states holding LazyArrays (a lazily restored one, say): read them now
+        state_dict = _map_leaves(
+            state_dict, lambda _, x: x.get() if isinstance(x, (LazyArray, _StoredLazy)) else x
+        )
         step = _step_of(state_dict)
         items: dict[str, Any] = {STATE: state_dict}
         if self._dataset_iterator is not None:
@@ -729,15 +1044,7 @@ class _T5XCheckpointing:
             )
             if foreign is not None:
                 return _rebuild(self._template, foreign)
-            opts = TrainStateRestore(
-                _restore_target(self._template, self._partitioner),
-                restore_dtype=self.restore_dtype,
-                cast=_is_target,
-                transforms=list(fns),
-                fallback_state=None if fallback_state is None else _state_dict(fallback_state),
-                lazy=lazy_parameters,
-            )
-            items: dict[str, Any] = {STATE: opts}
+            dataset = None
             if self._dataset_iterator is not None:
                 saved = mgr.info(step).items.get(DATASET)
                 if saved is None or saved.dropped:
@@ -745,8 +1052,18 @@ class _T5XCheckpointing:
                         f"step {step} has no dataset iterator (dropped by keep_dataset_checkpoints "
                         "or never saved); restore it with a Checkpointer without dataset_iterator"
                     )
-                items[DATASET] = self._dataset_iterator
-            state_dict = mgr.restore(step, items)[STATE]
+                dataset = self._dataset_iterator
+            template = _state_dict(self._template)
+            state_dict = _read_state(
+                mgr,
+                step,
+                template=_restore_target(self._template, self._partitioner),
+                transforms=[_with_target(fn, template) for fn in fns],
+                fallback_state=None if fallback_state is None else _state_dict(fallback_state),
+                lazy=lazy_parameters,
+                restore_dtype=self.restore_dtype,
+                dataset=dataset,
+            )
         finally:
             if not own:
                 mgr.close()
@@ -812,18 +1129,27 @@ class Checkpointer(_T5XCheckpointing):
         restore_dtype: Any = None,
         keep_dataset_checkpoints: int | None = None,
     ) -> None:
-        self.keep = _check_keep(keep, "keep")
+        self.keep = keep
         super().__init__(
             train_state,
             partitioner,
             checkpoints_dir,
             dataset_iterator,
             save_policy=EveryNSteps(1),
-            keep=self._keep_policy(),
+            keep=self._keep_policy,
             keep_dataset_checkpoints=keep_dataset_checkpoints,
             save_dtype=save_dtype,
             restore_dtype=restore_dtype,
         )
+
+    @property
+    def keep(self) -> int | None:
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: int | None) -> None:
+        _check_keep(value, "keep")
+        self._keep = value
 
     def _keep_policy(self) -> KeepPolicy:
         return KeepLatest(self.keep) if self.keep else KeepAll()
@@ -894,21 +1220,10 @@ class SaveBestCheckpointer(Checkpointer):
         force_keep_period: int | None = None,
         keep_dataset_checkpoints: int | None = None,
     ) -> None:
-        if metric_mode not in ("max", "min"):
-            raise ValueError(f"Unsupported `metric_mode`: {metric_mode!r} (use 'max' or 'min')")
-        if not isinstance(metric_name_to_monitor, str) or "/" not in metric_name_to_monitor:
-            raise ValueError(
-                f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {metric_name_to_monitor!r}"
-            )
-        if not isinstance(keep_checkpoints_without_metrics, bool):
-            raise TypeError("keep_checkpoints_without_metrics must be a bool")
-        if force_keep_period is not None:
-            KeepEvery(steps=force_keep_period)  # validates
         self.metric_name_to_monitor = metric_name_to_monitor
         self.metric_mode = metric_mode
         self.keep_checkpoints_without_metrics = keep_checkpoints_without_metrics
         self.force_keep_period = force_keep_period
-        self._logdir = os.fspath(checkpoints_dir)
         super().__init__(
             train_state,
             partitioner,
@@ -920,6 +1235,46 @@ class SaveBestCheckpointer(Checkpointer):
             keep_dataset_checkpoints=keep_dataset_checkpoints,
         )
 
+    @property
+    def metric_name_to_monitor(self) -> str:
+        return self._metric_name_to_monitor
+
+    @metric_name_to_monitor.setter
+    def metric_name_to_monitor(self, value: str) -> None:
+        if not isinstance(value, str) or "/" not in value.strip("/"):
+            raise ValueError(f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {value!r}")
+        self._metric_name_to_monitor = value
+
+    @property
+    def metric_mode(self) -> str:
+        return self._metric_mode
+
+    @metric_mode.setter
+    def metric_mode(self, value: str) -> None:
+        if value not in ("max", "min"):
+            raise ValueError(f"Unsupported `metric_mode`: {value!r} (use 'max' or 'min')")
+        self._metric_mode = value
+
+    @property
+    def keep_checkpoints_without_metrics(self) -> bool:
+        return self._keep_checkpoints_without_metrics
+
+    @keep_checkpoints_without_metrics.setter
+    def keep_checkpoints_without_metrics(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"keep_checkpoints_without_metrics must be a bool, got {value!r}")
+        self._keep_checkpoints_without_metrics = value
+
+    @property
+    def force_keep_period(self) -> int | None:
+        return self._force_keep_period
+
+    @force_keep_period.setter
+    def force_keep_period(self, value: int | None) -> None:
+        if value is not None:
+            KeepEvery(steps=value)  # validates: a positive int
+        self._force_keep_period = value
+
     def _keep_policy(self) -> KeepPolicy:
         if not self.keep:
             return KeepAll()
@@ -929,7 +1284,7 @@ class SaveBestCheckpointer(Checkpointer):
             self.metric_mode,  # type: ignore[arg-type]
             self.keep_checkpoints_without_metrics,
             self.force_keep_period,
-            self._logdir,
+            self.checkpoints_dir,
         )
 
 
@@ -992,7 +1347,7 @@ class OrbaxCheckpointManagerInterface(_T5XCheckpointing):
             directory,
             dataset_iterator,
             save_policy=save_policy,
-            keep=policy,
+            keep=lambda: policy,
             keep_dataset_checkpoints=keep_dataset_checkpoints,
             save_dtype=save_dtype,
             restore_dtype=restore_dtype,

@@ -5,6 +5,7 @@
 from cairn.manager._t5x import (
     Checkpointer,
     DatasetCheckpointHandler,
+    LazyArray,
     OrbaxCheckpointManagerInterface,
     SaveBestCheckpointer,
     all_dataset_checkpoint_steps,
@@ -20,6 +21,7 @@ from cairn.manager._t5x import (
 __all__ = [
     "Checkpointer",
     "DatasetCheckpointHandler",
+    "LazyArray",
     "OrbaxCheckpointManagerInterface",
     "SaveBestCheckpointer",
     "all_dataset_checkpoint_steps",

@@ -18,7 +18,7 @@ from iterutil import Shuffled, advanced, take
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from cairn.handlers import LazyArray, TfDataIteratorHandler
+from cairn.handlers import TfDataIteratorHandler
 from cairn.manager import ItemNotFoundError, StepAlreadyExistsError
 from cairn.manager import t5x as checkpoints
 
@@ -214,7 +214,7 @@ def test_transformations_fallback_and_lazy(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got["params"]["new_name"], np.ones(3))
     np.testing.assert_array_equal(got["params"]["head"], np.full(2, 7.0))
     assert int(got["step"]) == 2
-    assert isinstance(lazy["params"]["new_name"], LazyArray)
+    assert isinstance(lazy["params"]["new_name"], checkpoints.LazyArray)
     np.testing.assert_array_equal(lazy["params"]["new_name"].get(), np.ones(3))
 
 
