@@ -214,6 +214,7 @@ class CheckpointManager:
             )
         self._given_metadata = given
         self._superseded: str | None = None  # why saves now raise, once a newer manager took over
+        self._handing = threading.Lock()  # a save's hand-off to the commit thread; a takeover
         self._refuse_other_naming()  # every process: none may wait for a primary that refused
         self._key = _writer_key(self._storage)
         if not read_only:
@@ -418,16 +419,20 @@ class CheckpointManager:
             started_at=started_at,
             blocked_s=time.monotonic() - entered,
         )
-        self._catalog.start(step)
-        if self._executor is None:
-            self._run_save(job, reraise=True)
-            return True
-        try:
-            self._executor.submit(self._run_save, job, reraise=False)
-        except BaseException:  # e.g. called from an atexit hook after interpreter shutdown began
-            self._catalog.committed(step, None)
-            self._slots.release()
-            raise
+        with self._handing:  # a takeover from another thread waits for this save, or refuses it
+            if self._superseded is not None:
+                self._slots.release()
+                raise SupersededError(f"save: {self._superseded}")
+            self._catalog.start(step)
+            if self._executor is None:
+                self._run_save(job, reraise=True)
+                return True
+            try:
+                self._executor.submit(self._run_save, job, reraise=False)
+            except BaseException:  # e.g. from an atexit hook after interpreter shutdown began
+                self._catalog.committed(step, None)
+                self._slots.release()
+                raise
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
         return True
@@ -1136,13 +1141,14 @@ class CheckpointManager:
         """A newer writable manager of this process opens the directory: finish what is
         pending, let go of the directory and stay open for reading. An error of a pending
         commit is logged and stays kept for this manager's next call."""
-        if self._closed or self._superseded:
-            return
-        self._superseded = (
-            f"a newer writable CheckpointManager of {self._where} in this process took over; "
-            "this one is read-only now. Save through the new one (or close it and open a "
-            "new manager)"
-        )
+        with self._handing:
+            if self._closed or self._superseded:
+                return
+            self._superseded = (
+                f"a newer writable CheckpointManager of {self._where} in this process took "
+                "over; this one is read-only now. Save through the new one (or close it and "
+                "open a new manager)"
+            )
         try:
             self._drain()
         finally:

@@ -171,3 +171,38 @@ def test_memory_directories_are_taken_over_too() -> None:
         with pytest.raises(SupersededError):
             old.save(3, {"s": [3]})
     old.close()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_takeover_from_another_thread_while_the_old_one_saves(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Every save the old manager accepted is committed before the new one lists the
+    directory; every later one raises SupersededError; none lands after the hand-over."""
+    old = CheckpointManager(tmp_path, async_save=async_save, max_pending=2)
+    accepted: list[int] = []
+    refused: list[BaseException] = []
+    some_saved = threading.Event()
+
+    def train() -> None:
+        for step in range(1, 10_000):
+            try:
+                old.save(step, {"s": [step]})
+            except SupersededError as e:
+                refused.append(e)
+                return
+            accepted.append(step)
+            if step == 5:
+                some_saved.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert some_saved.wait(60)
+    new = CheckpointManager(tmp_path)
+    trainer.join(timeout=60)
+    assert not trainer.is_alive() and refused, "the old manager kept saving"
+    assert new.all_steps() == accepted  # each accepted save committed, before the new listing
+    new.reload()
+    assert new.all_steps() == accepted  # and nothing landed after it
+    new.close()
+    old.close()
