@@ -53,7 +53,8 @@ VERSIONS = (2, 3)  # T5X writes 3 since 2021; 2 differs only in how bfloat16 wen
 _STEP_DIR = re.compile(r"checkpoint_(\d+)")
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"  # flax splits arrays over 1 GiB into these
-_KVSTORES = ("file", "gfile", "gcs")  # T5X maps gcs to the step directory when reading locally
+_KVSTORES = ("file", "gfile", "gcs")
+_MAX_DEPTH = 256  # a state dict is a few levels deep; bounds the walk (no RecursionError)  # T5X maps gcs to the step directory when reading locally
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -239,6 +240,12 @@ class LegacyArray:
                 f"{self.shape}"
             )
         stored = np.dtype(store.dtype.numpy_dtype)
+        nbytes = math.prod(self.shape) * stored.itemsize
+        if nbytes > _memory_bytes():
+            raise CorruptCheckpointError(
+                f"{self.where}: {path} says shape {self.shape} of {stored} ({nbytes} bytes), "
+                "more than this machine's memory"
+            )
         if self.dtype is not None and stored != self.dtype:
             raise CorruptCheckpointError(
                 f"{self.where}: {path} has dtype {stored}, the checkpoint file says {self.dtype}"
@@ -256,6 +263,14 @@ class LegacyArray:
 
     def __repr__(self) -> str:
         return f"LegacyArray({self.relpath!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _memory_bytes() -> int:
+    """Physical memory: no array that would not fit is read (a crafted shape is refused)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 2**62
 
 
 def _array_path(spec: Mapping[str, Any], where: str) -> str:
@@ -319,6 +334,10 @@ def read_legacy(step_dir: Path) -> dict[str, Any]:
 
     def walk(node: Any, path: tuple[str, ...]) -> Any:
         where = f"{file} at {'/'.join(path) or '<root>'}"
+        if len(path) > _MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested deeper than {_MAX_DEPTH} levels")
+        if isinstance(node, dict) and not all(isinstance(k, str) for k in node):
+            raise CorruptCheckpointError(f"{where}: a map key that is not a string")
         if _is_spec(node):
             return LegacyArray(step_dir, _array_path(node, where), node, where)
         if isinstance(node, dict):
@@ -444,6 +463,11 @@ def restore_into(
             raise MismatchError(f"{where}: `{name}` is not in the checkpoint")
         if isinstance(leaf, (Mapping, list)) and not _lazy(leaf):
             raise MismatchError(f"{where}: `{name}` is a subtree in the checkpoint, not an array")
+        if isinstance(leaf, (str, bytes)) and hasattr(target, "shape"):
+            raise MismatchError(
+                f"{where}: `{name}` is {type(leaf).__name__} {leaf!r:.80} in the checkpoint, not "
+                "an array (cairn reads T5X's arrays from the msgpack file or TensorStore only)"
+            )
         if leaf is None or isinstance(leaf, (str, bytes)):
             out.append(leaf)
             continue
@@ -581,7 +605,7 @@ def restore_foreign(
     items: dict[str, Any] = {state_item: None}
     if dataset_iterator is not None:
         items[dataset_item] = dataset_iterator
-    raw = _read_orbax(manager, step, items)[state_item]
+    raw = _unwrap(_read_orbax(manager, step, items)[state_item])
     where = f"Orbax step {step} at {info.path}, item {state_item!r}"
     out: dict[str, Any] = restore_into(raw, template, where=where, **options)
     return out
@@ -646,7 +670,7 @@ def load_foreign(
             return None
         if state_item not in info.items:
             raise MismatchError(f"Orbax step {step} at {info.path} has no item {state_item!r}")
-        saved = _read_orbax(manager, step, {state_item: None})[state_item]
+        saved = _unwrap(_read_orbax(manager, step, {state_item: None})[state_item])
     transforms = [lambda state, _, fn=fn: fn(state, {}) for fn in fns]
     return load_legacy(saved, transforms=transforms, **options)
 
@@ -659,3 +683,11 @@ def _read_orbax(manager: Any, step: int, items: dict[str, Any]) -> dict[str, Any
     with CheckpointManager(manager.directory, read_only=True, step_prefix="checkpoint") as reader:
         out: dict[str, Any] = reader.restore(step, items)
     return out
+
+
+def _unwrap(tree: Any) -> Any:
+    """T5X's Orbax saves have held ``{"version": 3, "optimizer": state dict}`` (as its msgpack
+    file) in some versions and the state dict itself in others: the state dict either way."""
+    if isinstance(tree, Mapping) and set(tree) == {"version", "optimizer"}:
+        return tree["optimizer"]
+    return tree

@@ -488,3 +488,76 @@ def test_logging_stays_quiet_about_legacy_steps(
     ):
         ckpt.restore()
     assert not [r for r in caplog.records if "checkpoint_200" in r.getMessage()]
+
+
+def test_gcs_written_step_copied_to_disk_reads_from_the_step(tmp_path: Path) -> None:
+    """T5X writes kvstore gcs + t5x-dummy-bucket on GCS and reads such a step from a local copy
+    at the same relative path; so does cairn (never from a bucket)."""
+    step_dir = _write_raw(
+        tmp_path,
+        1,
+        _hostile_state(_spec("target.kernel", driver="gcs", bucket="t5x-dummy-bucket")),
+    )
+    _zarr(step_dir / "target.kernel", np.array([1.5, 2.5], np.float32))
+    loaded = checkpoints.load_t5x_checkpoint(tmp_path)
+    np.testing.assert_array_equal(loaded["target"]["kernel"], [1.5, 2.5])
+
+
+def test_crafted_shapes_depth_keys_and_placeholders(tmp_path: Path) -> None:
+    huge = {**_spec("target.kernel"), "metadata": {"shape": [2**40], "chunks": [1024]}}
+    step_dir = _write_raw(tmp_path / "a", 1, _hostile_state(huge))
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "file", "path": str(step_dir / "target.kernel")},
+    }
+    ts.open(
+        spec,
+        create=True,
+        dtype="float32",
+        shape=[2**40],
+        chunk_layout=ts.ChunkLayout(read_chunk_shape=[1024]),
+    ).result()  # metadata only: every chunk is missing, so zarr would fill 4 TiB
+    with pytest.raises(CorruptCheckpointError, match="more than this machine's memory"):
+        checkpoints.load_t5x_checkpoint(tmp_path / "a")
+
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(300):
+        node["a"] = {}
+        node = node["a"]
+    _write_raw(tmp_path / "b", 1, deep)
+    with pytest.raises(CorruptCheckpointError, match="nested deeper than"):
+        checkpoints.load_t5x_checkpoint(tmp_path / "b")
+
+    step_dir = _write_raw(tmp_path / "c", 1, {})
+    (step_dir / "checkpoint").write_bytes(
+        msgpack.packb({"version": 3, "optimizer": {b"target": {}}}, use_bin_type=True)
+    )
+    with pytest.raises(CorruptCheckpointError, match="not a string"):
+        checkpoints.load_t5x_checkpoint(tmp_path / "c")
+
+    _write_raw(tmp_path / "d", 1, _hostile_state("PLACEHOLDER://target.kernel"))
+    with (
+        checkpoints.Checkpointer(
+            {"step": jnp.array(0), "params": {"kernel": jnp.zeros(2)}, "opt_state": {}},
+            None,
+            tmp_path / "d",
+        ) as ckpt,
+        pytest.raises(MismatchError, match="`target/kernel` is str 'PLACEHOLDER"),
+    ):
+        ckpt.restore()
+
+
+def test_orbax_layout_with_version_and_optimizer_keys(tmp_path: Path) -> None:
+    """Some T5X versions saved ``{"version": 3, "optimizer": state dict}`` as the Orbax item."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(step_prefix="checkpoint", create=True)
+    with ocp.CheckpointManager(tmp_path, options=options, item_names=("state",)) as mgr:
+        tree = {"version": 3, "optimizer": t5x_state(7, 0.7)}
+        mgr.save(7, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)))
+        mgr.wait_until_finished()
+    with checkpoints.Checkpointer(template(), None, tmp_path) as ckpt:
+        state = ckpt.restore()
+    jax.tree.map(np.testing.assert_array_equal, state, as_cairn_state(t5x_state(7, 0.7)))
+    assert checkpoints.load_t5x_checkpoint(tmp_path)["state"]["step"] == 7
