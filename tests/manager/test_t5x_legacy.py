@@ -79,9 +79,8 @@ def tree_digest(root: Path) -> dict[str, str]:
     """Every file in the step directories under `root` with the hash of its bytes."""
     out = {}
     for dirpath, _, files in os.walk(root):
-        if not Path(dirpath).relative_to(root).parts[:1] or not Path(dirpath).relative_to(
-            root
-        ).parts[0].startswith("checkpoint_"):
+        parts = Path(dirpath).relative_to(root).parts
+        if not parts or not parts[0].startswith("checkpoint_"):
             continue
         for name in files:
             path = Path(dirpath) / name
@@ -561,3 +560,29 @@ def test_orbax_layout_with_version_and_optimizer_keys(tmp_path: Path) -> None:
         state = ckpt.restore()
     jax.tree.map(np.testing.assert_array_equal, state, as_cairn_state(t5x_state(7, 0.7)))
     assert checkpoints.load_t5x_checkpoint(tmp_path)["state"]["step"] == 7
+
+
+def test_legacy_restore_places_leaves_by_the_partitioner(legacy_run: Path) -> None:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    specs = jax.tree.map(lambda _: PartitionSpec(), template())
+    with checkpoints.Checkpointer(template(), (mesh, specs), legacy_run) as ckpt:
+        state = ckpt.restore()
+    kernel = state["params"]["encoder"]["layers_0"]["kernel"]
+    assert isinstance(kernel.sharding, NamedSharding) and kernel.sharding.mesh == mesh
+    np.testing.assert_array_equal(
+        kernel, t5x_state(200, 2.0)["target"]["encoder"]["layers_0"]["kernel"]
+    )
+
+
+def test_t5x_save_in_progress_is_left_alone(legacy_run: Path) -> None:
+    tmp = legacy_run / "checkpoint_300.tmp-1700000000"
+    write_legacy_step(legacy_run, t5x_state(300), commit=False).rename(tmp)
+    before = tree_digest(legacy_run)
+    with checkpoints.Checkpointer(template(), None, legacy_run, keep=1) as ckpt:
+        assert ckpt.latest_step() == 200
+        ckpt.save({**ckpt.restore(), "step": jnp.array(400, jnp.int32)})
+    assert tmp.is_dir() and checkpoints.all_steps(legacy_run) == [100, 200, 400]
+    after = tree_digest(legacy_run)
+    assert {k: v for k, v in after.items() if not k.startswith("checkpoint_400/")} == before
