@@ -353,6 +353,17 @@ def _cast_leaf(leaf: Any, dtype: np.dtype) -> Any:
     return leaf.astype(dtype)
 
 
+def _read_as(dtype: np.dtype) -> Callable[[Any, Any], Any]:
+    """Make a not yet read leaf cast to `dtype` when read (no second copy in memory)."""
+
+    def retype(_: Any, leaf: Any) -> Any:
+        if isinstance(leaf, _StoredLazy):
+            leaf.dtype = dtype
+        return leaf
+
+    return retype
+
+
 def _cast_target(state: dict[str, Any], dtype: np.dtype | None) -> dict[str, Any]:
     if dtype is None or "target" not in state:
         return state
@@ -388,16 +399,15 @@ def _read_state(
 
     First the checkpoint is opened lazily (nothing read but its structure): the transforms run,
     the fallback fills the gaps, the result takes the template's structure, and each array's
-    shape is checked against the template's. Leaves keep the dtype saved in the checkpoint
-    (T5X: the template gives structure, shapes and placement, not dtypes); `restore_dtype`
-    then casts every array of ``target``. Lazily, every leaf is a LazyArray; else all leaves are
-    read at once, placed as the template's (or the partitioner's) arrays.
+    shape is checked against the template's (T5X's message). Leaves keep the dtype saved in the
+    checkpoint (T5X: the template gives structure, shapes and placement, not dtypes);
+    `restore_dtype` casts every array of ``target`` as it is after the transforms, integer ones
+    too, while reading. Lazily, every leaf is a LazyArray; else all leaves are read at once,
+    placed as the template's (or the partitioner's) arrays.
     """
     skeleton = None if template is None else _map_leaves(template, lambda _, x: _ANY)
     opened = TrainStateRestore(
         skeleton,
-        restore_dtype=restore_dtype,  # floating params are cast while read
-        cast=_is_target,
         transforms=[*transforms, lambda state, _: state],  # always the path without dtype checks
         fallback_state=fallback_state,
         lazy=True,
@@ -405,6 +415,9 @@ def _read_state(
     state: dict[str, Any] = mgr.restore(step, {STATE: opened})[STATE]
     if template is not None:
         _check_shapes(state, template)
+    if restore_dtype is not None and isinstance(state, Mapping) and "target" in state:
+        # where the transforms put them (as T5X): the params are cast as they are read
+        state = {**state, "target": _map_leaves(state["target"], _read_as(restore_dtype))}
     if lazy:
         if dataset is not None:
             mgr.restore(step, {DATASET: dataset})

@@ -289,3 +289,24 @@ def test_a_save_best_checkpointer_takes_over_from_a_checkpointer(
         again.close()
     old.close()
     assert checkpoints.all_steps(tmp_path) == [1, 2, 4]
+
+
+def test_restore_dtype_applies_where_the_transforms_put_the_params(tmp_path: Path) -> None:
+    """T5X casts ``target`` after the restore transformations, not where a leaf was saved."""
+    saved = state_at(3)
+    with checkpoints.Checkpointer(saved, None, tmp_path) as ckpt:
+        ckpt.save(saved)
+
+    def swap(state: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+        params, mu = state["target"]["kernel"], state["state"]["param_states"]["mu"]["kernel"]
+        state["target"]["kernel"], state["state"]["param_states"]["mu"]["kernel"] = mu, params
+        return state
+
+    with checkpoints.Checkpointer(saved, None, tmp_path, restore_dtype=np.float16) as ckpt:
+        for lazy in (False, True):
+            got = ckpt.restore(state_transformation_fns=[swap], lazy_parameters=lazy)
+            kernel, mu = got["params"]["kernel"], got["opt_state"]["mu"]["kernel"]
+            assert kernel.dtype == np.float16 and mu.dtype == np.float32
+            np.testing.assert_array_equal(np.asarray(kernel), np.ones((4, 8)))  # was mu
+            np.testing.assert_array_equal(np.asarray(mu), np.full((4, 8), 3.0))  # was kernel
+            assert got["params"]["bias"].dtype == np.float16
