@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
-from cairn.handlers.io import dtype_from_name, read_no_follow, within
+from cairn.handlers.io import dtype_from_name, dtype_name, read_no_follow, within
 
 log = logging.getLogger("cairn")
 
@@ -101,6 +101,11 @@ def legacy_steps(root: Path) -> dict[int, Path]:
 # ---------------------------------------------------------------------------- the msgpack file
 
 
+def _numeric(dtype: np.dtype) -> bool:
+    """Booleans, integers, floats (bfloat16 and the other ml_dtypes too), complex numbers."""
+    return not dtype.hasobject and (dtype.kind in "biufc" or dtype_name(dtype) != dtype.str)
+
+
 def _ndarray(data: bytes, file: Path) -> np.ndarray:
     """flax's ndarray encoding, checked: ``(shape, dtype name, C-order bytes)``."""
     import msgpack
@@ -118,7 +123,7 @@ def _ndarray(data: bytes, file: Path) -> np.ndarray:
         dtype = dtype_from_name(name)
     except (ValueError, TypeError, LookupError, AttributeError) as e:
         raise CorruptCheckpointError(f"{file}: a malformed array in the msgpack file: {e}") from e
-    if dtype.kind not in "biufc" or dtype.hasobject:
+    if not _numeric(dtype):
         raise CorruptCheckpointError(f"{file}: an array of dtype {dtype} (numbers only)")
     if math.prod(shape) * dtype.itemsize != len(buffer):
         raise CorruptCheckpointError(
@@ -192,7 +197,7 @@ class LegacyArray:
             self.dtype = dtype_from_name(name) if isinstance(name, str) else None
         except (TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: dtype {name!r:.50}: {e}") from e
-        if self.dtype is not None and (self.dtype.kind not in "biufc" or self.dtype.hasobject):
+        if self.dtype is not None and not _numeric(self.dtype):
             raise CorruptCheckpointError(f"{where}: dtype {self.dtype} (numbers only)")
 
     def _check_tree(self) -> Path:

@@ -586,3 +586,23 @@ def test_t5x_save_in_progress_is_left_alone(legacy_run: Path) -> None:
     assert tmp.is_dir() and checkpoints.all_steps(legacy_run) == [100, 200, 400]
     after = tree_digest(legacy_run)
     assert {k: v for k, v in after.items() if not k.startswith("checkpoint_400/")} == before
+
+
+def test_bfloat16_save_dtype_and_restore_only_checkpointer(tmp_path: Path) -> None:
+    """save_dtype=bfloat16 (TensorStore's bfloat16 and flax's 'bfloat16' ext name) comes back
+    bfloat16 with restore_dtype=None; a restore-only checkpointer (checkpoints_dir="") restores a
+    T5X step of another directory by path."""
+    run = tmp_path / "t5x_run"
+    step_dir = write_legacy_step(run, t5x_state(50), save_dtype=ml_dtypes.bfloat16)
+    raw = msgpack.unpackb((step_dir / "checkpoint").read_bytes(), raw=False)
+    assert raw["optimizer"]["target"]["encoder"]["layers_0"]["kernel"]["dtype"] == "bfloat16"
+    reader = checkpoints.Checkpointer(template(), None, "")
+    state = reader.restore(path=str(step_dir))
+    assert state["params"]["encoder"]["layers_0"]["kernel"].dtype == jnp.bfloat16
+    assert state["params"]["encoder"]["bias"].dtype == jnp.bfloat16
+    assert state["opt_state"]["encoder"]["bias"]["v"].dtype == jnp.float32  # never cast
+    np.testing.assert_array_equal(
+        np.asarray(state["params"]["encoder"]["bias"], np.float32), np.arange(8, dtype=np.float32)
+    )
+    as_f32 = checkpoints.load_t5x_checkpoint(step_dir, restore_dtype=np.float32)
+    assert as_f32["target"]["encoder"]["layers_0"]["kernel"].dtype == np.float32
