@@ -35,6 +35,7 @@ from cairn.handlers.errors import (
     ItemNotFoundError,
     MismatchError,
     StepAlreadyExistsError,
+    SupersededError,
 )
 from cairn.handlers.io import open_regular, read_no_follow
 from cairn.manager import _t5x_legacy as legacy  # existing T5X runs: T5X's own layouts
@@ -1005,7 +1006,14 @@ class _T5XCheckpointing:
         items: dict[str, Any] = {STATE: state_dict}
         if self._dataset_iterator is not None:
             items[DATASET] = self._dataset_iterator
-        return self.manager.save(step, items, force=force)
+        try:
+            return self.manager.save(step, items, force=force)
+        except SupersededError as e:
+            raise SupersededError(
+                f"{type(self).__name__}.save(step {step}): another writable checkpointer (or "
+                f"CheckpointManager) of {self._dir} in this process took over; this one only "
+                "restores and lists now. Save through the newest one; nothing was written."
+            ) from e
 
     def _restore(
         self,

@@ -279,7 +279,10 @@ def test_a_save_best_checkpointer_takes_over_from_a_checkpointer(
         with pytest.raises(SupersededError) as info:
             old.save(state_at(3))
         assert isinstance(info.value, ReadOnlyError)
-        assert str(tmp_path) in str(info.value)
+        message = str(info.value)
+        assert message.startswith("Checkpointer.save(step 3): another writable checkpointer")
+        assert str(tmp_path) in message and "Save through the newest one" in message
+        assert any("took over" in r.getMessage() for r in caplog.records)  # logged, as it went
         assert new.all_steps() == [1, 2]
         np.testing.assert_array_equal(old.restore(step=1)["params"]["kernel"], np.ones((4, 8)))
         again = checkpoints.Checkpointer(state_at(0), None, tmp_path)  # a notebook cell run twice
