@@ -606,3 +606,29 @@ def test_bfloat16_save_dtype_and_restore_only_checkpointer(tmp_path: Path) -> No
     )
     as_f32 = checkpoints.load_t5x_checkpoint(step_dir, restore_dtype=np.float32)
     assert as_f32["target"]["encoder"]["layers_0"]["kernel"].dtype == np.float32
+
+
+def test_other_checkpointers_resume_legacy_runs(legacy_run: Path) -> None:
+    """The Orbax-style wrapper and SaveBestCheckpointer restore T5X steps too, and SaveBest's
+    retention never deletes them."""
+    before = tree_digest(legacy_run)
+    wrapper = checkpoints.OrbaxCheckpointManagerInterface(legacy_run, template(), None)
+    assert wrapper.latest_step() == 200
+    assert int(wrapper.restore()["step"]) == 200
+    assert int(wrapper.restore(step=100)["step"]) == 100
+    assert not wrapper.should_save(200)
+    wrapper.close()
+    resumed = template()
+    resumed["opt_state"]["count"] = jnp.array(0, jnp.uint8)
+    best = checkpoints.SaveBestCheckpointer(
+        resumed, None, legacy_run, keep=1, keep_checkpoints_without_metrics=False
+    )
+    state = best.restore()
+    for step in (300, 400, 500):
+        assert best.save({**state, "step": jnp.array(step, jnp.int32)})
+    best.close()
+    assert checkpoints.all_steps(legacy_run) == [100, 200, 400, 500]  # keep=1 + the latest
+    after = tree_digest(legacy_run)
+    assert {
+        k: v for k, v in after.items() if k.startswith(("checkpoint_100/", "checkpoint_200/"))
+    } == before
