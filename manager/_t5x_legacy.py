@@ -56,16 +56,6 @@ _CHUNKED = "__msgpack_chunked_array__"  # flax splits arrays over 1 GiB into the
 _KVSTORES = ("file", "gfile", "gcs")
 _MAX_DEPTH = 256  # a state dict is a few levels deep; bounds the walk (no RecursionError)  # T5X maps gcs to the step directory when reading locally
 
-__all__ = [
-    "CHECKPOINT_FILE",
-    "LegacyArray",
-    "is_legacy_step",
-    "legacy_steps",
-    "load_legacy",
-    "read_legacy",
-    "restore_into",
-]
-
 
 # ---------------------------------------------------------------------------- finding steps
 
@@ -696,3 +686,28 @@ def _unwrap(tree: Any) -> Any:
     if isinstance(tree, Mapping) and set(tree) == {"version", "optimizer"}:
         return tree["optimizer"]
     return tree
+
+
+def legacy_manifest(step: int, path: Path) -> Any:
+    """A read-only manifest describing a T5X legacy step (as `orbax_step` does for Orbax steps),
+    or None if `path` is not one: item ``state`` (handler ``t5x.legacy``), item ``dataset`` when
+    T5X's ``train_ds-*`` files are there, times from the directory, ``{"format": "t5x"}``.
+
+    For a storage that lists steps: with it a T5X step is a foreign, read-only step (never
+    deleted, never reported damaged) rather than a directory without a manifest."""
+    from cairn.manager._format import ItemEntry, Manifest
+
+    if not is_legacy_step(path):
+        return None
+    try:
+        mtime = os.lstat(path / CHECKPOINT_FILE).st_mtime
+        with os.scandir(path) as entries:
+            has_dataset = any(_TRAIN_DS.fullmatch(e.name) for e in entries)
+    except OSError:
+        return None
+    items = {"state": ItemEntry("t5x.legacy", 1, ())}
+    if has_dataset:
+        items["dataset"] = ItemEntry("t5x.legacy_dataset", 1, ())
+    return Manifest(
+        step=step, items=items, started_at=mtime, committed_at=mtime, metadata={"format": "t5x"}
+    )

@@ -632,3 +632,22 @@ def test_other_checkpointers_resume_legacy_runs(legacy_run: Path) -> None:
     assert {
         k: v for k, v in after.items() if k.startswith(("checkpoint_100/", "checkpoint_200/"))
     } == before
+
+
+def test_legacy_manifest_describes_a_t5x_step(tmp_path: Path) -> None:
+    """What a storage can list for a T5X step (a foreign, read-only step), or None."""
+    import tensorflow as tf
+
+    from cairn.manager import _t5x_legacy
+
+    plain = write_legacy_step(tmp_path / "a", t5x_state(1))
+    with_ds = write_legacy_step(
+        tmp_path / "b", t5x_state(2), dataset_iterator=iter(tf.data.Dataset.range(3))
+    )
+    manifest = _t5x_legacy.legacy_manifest(1, plain)
+    assert manifest.step == 1 and list(manifest.items) == ["state"]
+    assert manifest.metadata == {"format": "t5x"}
+    assert list(_t5x_legacy.legacy_manifest(2, with_ds).items) == ["state", "dataset"]
+    (plain / "_CHECKPOINT.json").write_text("{}")  # a cairn step is not a T5X one
+    assert _t5x_legacy.legacy_manifest(1, plain) is None
+    assert _t5x_legacy.legacy_manifest(3, tmp_path / "missing") is None
