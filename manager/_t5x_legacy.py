@@ -36,6 +36,7 @@ import math
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -394,7 +395,11 @@ def _lookup(state: Any, keys: Sequence[str]) -> tuple[bool, Any]:
             node = node[k]
         elif isinstance(node, (list, tuple)) and k.isdigit() and int(k) < len(node):
             node = node[int(k)]
-        elif not isinstance(node, (Mapping, list, tuple)) and hasattr(node, k):
+        elif (
+            not isinstance(node, (Mapping, list, tuple))
+            and not hasattr(node, "shape")  # never an array's attribute (`T`, `real`, ...)
+            and hasattr(node, k)
+        ):
             node = getattr(node, k)
         else:
             return False, None
@@ -414,7 +419,7 @@ def _merge(state: Any, fallback: Any) -> Any:
 def _materialize(leaf: Any, template: Any) -> Any:
     value = leaf.get() if _lazy(leaf) else leaf
     sharding = getattr(template, "sharding", None)
-    jax_mod = __import__("sys").modules.get("jax")
+    jax_mod = sys.modules.get("jax")
     if jax_mod is not None and (
         sharding is not None or isinstance(template, (jax_mod.Array, jax_mod.ShapeDtypeStruct))
     ):

@@ -21,7 +21,7 @@ import pytest
 import tensorstore as ts
 from t5x_legacy_writer import msgpack_bytes, write_legacy_step
 
-from cairn.manager import CorruptCheckpointError, MismatchError
+from cairn.manager import CorruptCheckpointError, ItemNotFoundError, MismatchError
 from cairn.manager import t5x as checkpoints
 
 
@@ -259,6 +259,13 @@ def test_legacy_dataset_iterator_resumes(tmp_path: Path) -> None:
     with checkpoints.Checkpointer(template(), None, tmp_path, dataset_iterator=fresh) as ckpt:
         assert int(ckpt.restore()["step"]) == 10
     assert int(next(fresh)) == 7
+    write_legacy_step(tmp_path, t5x_state(20))  # saved without an iterator
+    with (
+        checkpoints.Checkpointer(template(), None, tmp_path, dataset_iterator=fresh) as ckpt,
+        pytest.raises(ItemNotFoundError, match="no dataset checkpoint train_ds-000-of-001"),
+    ):
+        ckpt.restore()
+    assert int(next(fresh)) == 8  # untouched by the refused restore
 
 
 # ---------------------------------------------------------------------------- hostile legacy steps
