@@ -51,7 +51,7 @@ log = logging.getLogger("cairn")
 CHECKPOINT_FILE = "checkpoint"
 MANIFEST = "_CHECKPOINT.json"  # cairn's manifest: a step that has one is cairn's, not T5X's
 VERSIONS = (2, 3)  # T5X writes 3 since 2021; 2 differs only in how bfloat16 went to TensorStore
-_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+_STEP_DIR = re.compile(r"checkpoint_(0|[1-9][0-9]*)")  # T5X's names, as the manager parses them
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"  # flax splits arrays over 1 GiB into these
 _KVSTORES = ("file", "gfile", "gcs")
@@ -75,8 +75,10 @@ def is_legacy_step(path: Path) -> bool:
 
 
 def legacy_steps(root: Path) -> dict[int, Path]:
-    """T5X steps in `root` by step: ``checkpoint_<digits>`` directories with a ``checkpoint`` file
-    (T5X's own ``all_steps`` glob); its in-progress ``checkpoint_<step>.tmp-<time>`` never count."""
+    """T5X steps in `root` by step: ``checkpoint_<step>`` directories with a ``checkpoint`` file
+    (T5X's own ``all_steps`` glob); its in-progress ``checkpoint_<step>.tmp-<time>`` never
+    count, nor zero-padded names (``step_format_fixed_length``), which the manager does not
+    list either, so that every listing here agrees with the checkpointer's."""
     found: dict[int, Path] = {}
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)

@@ -658,3 +658,11 @@ def test_legacy_manifest_describes_a_t5x_step(tmp_path: Path) -> None:
     (plain / "_CHECKPOINT.json").write_text("{}")  # a cairn step is not a T5X one
     assert _t5x_legacy.legacy_manifest(1, plain) is None
     assert _t5x_legacy.legacy_manifest(3, tmp_path / "missing") is None
+
+
+def test_zero_padded_t5x_names_are_not_listed_anywhere(legacy_run: Path) -> None:
+    """Listings agree: the module functions and the checkpointer see the same T5X steps."""
+    os.rename(legacy_run / "checkpoint_100", legacy_run / "checkpoint_0100")
+    assert checkpoints.all_steps(legacy_run) == [200]
+    with checkpoints.Checkpointer(template(), None, legacy_run) as ckpt:
+        assert ckpt.all_steps() == [200]
