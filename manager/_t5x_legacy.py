@@ -31,6 +31,7 @@ every other leaf keeps the dtype the checkpoint has.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -55,6 +56,7 @@ _STEP_DIR = re.compile(r"checkpoint_(0|[1-9][0-9]*)")  # T5X's names, as the man
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"  # flax splits arrays over 1 GiB into these
 _KVSTORES = ("file", "gfile", "gcs")
+_READERS = 8  # arrays read at once (TensorStore parallelises within an array too)
 _MAX_DEPTH = 256  # a state dict is a few levels deep; bounds the walk (no RecursionError)  # T5X maps gcs to the step directory when reading locally
 
 
@@ -482,7 +484,13 @@ def restore_into(
             )
         dtype = restore_dtype if restore_dtype is not None and cast(keys) else None
         lazy_leaf = _Cast(leaf, dtype)
-        out.append(lazy_leaf if lazy else _materialize(lazy_leaf, target))
+        out.append(lazy_leaf if lazy else (lazy_leaf, target))
+    if not lazy:  # every shape was checked above; now read the arrays, several at a time
+        pending = [i for i, x in enumerate(out) if isinstance(x, tuple)]
+        with concurrent.futures.ThreadPoolExecutor(_READERS, "cairn-t5x-read") as pool:
+            values = list(pool.map(lambda i: _materialize(*out[i]), pending))
+        for i, value in zip(pending, values, strict=True):
+            out[i] = value
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
