@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak demo bench lint clean
+.PHONY: install test quick soak lower-bounds demo bench lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,8 +27,36 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest -q
 
-soak: install
+soak: install lower-bounds
 	$(BIN)/python -m pytest -q -m slow
+
+# The declared floors (.ci/lower_bounds.py reads them from pyproject.toml), each in a fresh venv
+# under build/ (a plain editable install there leaves the strict editable tree alone). First the
+# core, no extra, on NumPy 1.26: the tests that need nothing else (object stores need tensorstore,
+# plots matplotlib, telemetry tensorboard). Then every extra and dev tool at its floor, with the
+# quick suite. `pip check` fails a floor that another package does not accept.
+LOWER := build/venv-lower
+LOWER_CORE_TESTS := tests/manager/test_policies.py tests/manager/test_policy_results.py \
+	tests/manager/test_manager.py tests/manager/test_bad_input.py tests/manager/test_robustness.py \
+	tests/manager/test_crash.py tests/manager/test_storage.py tests/manager/test_keep_items.py \
+	tests/handlers/test_destination.py tests/test_cli.py \
+	-k "not s3 and not gcs and not memory and not plot and not tensorboard"
+lower-bounds:
+	rm -rf $(LOWER)-core $(LOWER)
+	$(PY) -m venv $(LOWER)-core
+	$(LOWER)-core/bin/pip install --quiet 'tomli>=2; python_version < "3.11"'
+	$(LOWER)-core/bin/python .ci/lower_bounds.py test > $(LOWER)-core/floors.txt
+	$(LOWER)-core/bin/pip install --quiet -r $(LOWER)-core/floors.txt
+	$(LOWER)-core/bin/pip install --quiet --no-deps -e .
+	$(LOWER)-core/bin/pip check
+	$(LOWER)-core/bin/python -m pytest -q -p no:cacheprovider $(LOWER_CORE_TESTS)
+	$(PY) -m venv $(LOWER)
+	$(LOWER)/bin/pip install --quiet 'tomli>=2; python_version < "3.11"'
+	$(LOWER)/bin/python .ci/lower_bounds.py all dev > $(LOWER)/floors.txt
+	$(LOWER)/bin/pip install --quiet -r $(LOWER)/floors.txt
+	$(LOWER)/bin/pip install --quiet --no-deps -e .
+	$(LOWER)/bin/pip check
+	$(LOWER)/bin/python -m pytest -q -p no:cacheprovider
 
 demo: install
 	$(BIN)/python examples/train_and_resume.py
