@@ -91,6 +91,7 @@ def lower_bounds(project: dict, extras: list[str]) -> dict[str, str]:
                 floors[key] = (op, version, req_extras or seen[2], where)
                 continue
             if seen[0] == "==" and op == ">=" and _version_key(seen[1]) >= _version_key(version):
+                floors[key] = (seen[0], seen[1], seen[2] or req_extras, seen[3])
                 continue
             raise SystemExit(
                 f"lower_bounds: {name}: {seen[0]}{seen[1]} ({seen[3]}) vs {req} ({where})"
