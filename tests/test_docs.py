@@ -136,10 +136,12 @@ def test_snippet_runs(path: Path, block: Block, tmp_path: Path) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     result = run_block(path, block, cwd)
-    assert result.returncode == 0, (
-        f"{_name(path)}:{block.line}: the python block starting at line {block.line} failed "
-        f"(exit status {result.returncode}):\n{result.stderr[-6000:]}"
-    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{_name(path)}:{block.line}: the python block starting at line {block.line} failed "
+            f"(exit status {result.returncode}):\n{result.stderr[-6000:]}",
+            pytrace=False,
+        )
 
 
 def test_the_docs_exist_and_have_snippets() -> None:
