@@ -33,6 +33,7 @@ from cairn.handlers._files import (
     as_destination,
     writing_process,
 )
+from cairn.handlers._optional import optional
 from cairn.handlers._tree import dtype_from_name, dtype_name
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
@@ -424,7 +425,7 @@ def _tf_functions() -> dict[str, Callable[[Any], Any]]:
     one `serialize_tensor` of the whole state (eager per-piece calls, as `_save()` does, are not).
     """
     if not _TF_FUNCTIONS:
-        import tensorflow as tf
+        tf = optional("tensorflow", feature="tf.data iterator state")
 
         spec_v, spec_s = tf.TensorSpec([None], tf.variant), tf.TensorSpec([None], tf.string)
 
@@ -445,7 +446,7 @@ def _tf_functions() -> dict[str, Callable[[Any], Any]]:
 def _deserialize(data: bytes, iterator: Any, where: str, probe_timeout: float | None) -> Any:
     """Check the file (`_split`), try it in a probe process (`_probe`, unless `probe_timeout` is
     None), then restore here."""
-    import tensorflow as tf
+    tf = optional("tensorflow", feature="tf.data iterator state")
 
     if getattr(iterator, "_iterator_resource", None) is None:
         raise MismatchError(
@@ -467,7 +468,7 @@ def _deserialize(data: bytes, iterator: Any, where: str, probe_timeout: float | 
 
 
 def _restore_pieces(pieces: list[bytes], resource: Any) -> None:
-    import tensorflow as tf
+    tf = optional("tensorflow", feature="tf.data iterator state")
 
     variant = _tf_functions()["from_pieces"](tf.constant(pieces, dtype=tf.string))
     tf.raw_ops.DeserializeIterator(resource_handle=resource, serialized=variant)
@@ -587,7 +588,7 @@ def _check_piece(piece: bytes) -> None:
 
 
 def _check_compressed(element: Any, keys: int) -> None:
-    import tensorflow as tf
+    tf = optional("tensorflow", feature="tf.data iterator state")
 
     if element.version != 0 or len(element.component_metadata) != keys:
         raise ValueError(
@@ -634,7 +635,7 @@ def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None
     pipeline from its serialized graph; if it cannot, a warning is logged and this returns None.
     The child has `timeout` seconds, plus 60 per GiB of state, once TensorFlow is imported.
     """
-    import tensorflow as tf
+    tf = optional("tensorflow", feature="tf.data iterator state")
 
     try:
         graph = tf.raw_ops.DatasetToGraphV2(
@@ -711,7 +712,7 @@ def probe_main() -> None:
             f.write("1000")  # if memory runs out, the kernel kills the probe, not the trainer
     except OSError:
         pass
-    import tensorflow as tf
+    tf = optional("tensorflow", feature="tf.data iterator state")
     from tensorflow.core.framework import tensor_shape_pb2
 
     types = [tf.dtypes.as_dtype(t) for t in header["types"]]
@@ -792,7 +793,7 @@ class TfDataIteratorHandler(_PerProcessHandler):
         return int(option.value) if option is not None else _POLICIES["fail"]
 
     def _capture(self, obj: Any) -> Sequence[bytes | memoryview]:
-        import tensorflow as tf
+        tf = optional("tensorflow", feature="tf.data iterator state")
 
         if getattr(obj, "_iterator_resource", None) is None:
             raise TypeError(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers._files import StoredItem, parse_json, read_no_follow, within
+from cairn.handlers._optional import optional
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
 __all__ = [
@@ -140,14 +141,14 @@ class OrbaxPyTreeHandler(_ReadOnly):
     id = "orbax.pytree"
 
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
-        import orbax.checkpoint as ocp
+        ocp = optional("orbax.checkpoint", feature="reading a step orbax-checkpoint wrote")
 
         where = _where(stored)
         check_tree(stored.directory, where)
         checkpointer = ocp.PyTreeCheckpointer()
         try:
             if target is None:  # NumPy arrays: no saved sharding needed, any topology
-                import jax
+                jax = optional("jax", feature="reading a step orbax-checkpoint wrote")
                 import numpy as np
 
                 meta = checkpointer.metadata(stored.directory).item_metadata
@@ -207,7 +208,7 @@ class OrbaxDatasetHandler(_ReadOnly):
                 f"step {stored.step}, item {stored.name!r} is T5X's tf.data iterator: give the "
                 "iterator to restore into, iter() of the same pipeline"
             )
-        import tensorflow as tf
+        tf = optional("tensorflow", feature="a tf.data iterator item orbax-checkpoint wrote")
 
         where = _where(stored)
         check_tree(stored.directory, where)

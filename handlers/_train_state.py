@@ -38,6 +38,7 @@ from cairn.handlers._files import (
     parse_json,
     writing_process,
 )
+from cairn.handlers._optional import optional
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -763,7 +764,7 @@ def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
     reader, dtype = leaf._reader, leaf.dtype
     sharding = getattr(target, "sharding", None)
     if sharding is not None and "jax" in sys.modules:
-        import jax
+        jax = optional("jax", feature="a JAX train state")
 
         index_map = sharding.addressable_devices_indices_map(reader.shape)
         futures = {
@@ -790,7 +791,7 @@ def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
     def finish() -> Any:
         arr = future.result().astype(dtype, copy=False)
         if as_jax:
-            import jax
+            jax = optional("jax", feature="a JAX train state")
 
             return jax.device_put(arr)
         return arr

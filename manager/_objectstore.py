@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import Destination, FileRecord, Source
+from cairn.handlers._optional import optional
 from cairn.handlers.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
@@ -107,9 +108,8 @@ class ObjectStore:
     """
 
     def __init__(self, url: str, options: StorageOptions) -> None:
-        import tensorstore as ts
-
         scheme, _, rest = url.partition("://")
+        ts = optional("tensorstore", feature=f"an object-store directory ({scheme}://)")
         bucket, _, path = rest.partition("/")
         path = path.strip("/")
         self.url = f"{scheme}://{bucket}/{path}" if path else f"{scheme}://{bucket}"

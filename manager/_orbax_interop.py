@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cairn.handlers._optional import optional
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import as_step
@@ -38,7 +39,7 @@ def export_step(
     it as any of its steps; `step_prefix` is its step prefix (None: ``<step>``). Returns the
     Orbax step directory. StepAlreadyExistsError if Orbax already has that step there.
     """
-    import orbax.checkpoint as ocp
+    ocp = optional("orbax.checkpoint", feature="cairn.manager.orbax (Orbax interop)")
 
     step = as_step(step)
     with CheckpointManager(directory, read_only=True, step_prefix=source_step_prefix) as source:

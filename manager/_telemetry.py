@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import Any
 
+from cairn.handlers._optional import optional
+
 WRITE_BLOCKING = "/jax/checkpoint/write/blocking_duration_secs"
 WRITE_TOTAL = "/jax/checkpoint/write/async/total_duration_secs"
 WRITE_BYTES = "/jax/checkpoint/write/bytes"
@@ -24,7 +26,8 @@ class Telemetry:
         self._writer: Any = None
         self._lock = threading.Lock()
         if tensorboard_dir is not None:
-            from tensorboard.summary import Writer  # TensorFlow-free event writer
+            summary = optional("tensorboard.summary", feature="tensorboard_dir=")
+            Writer = summary.Writer  # TensorFlow-free event writer
 
             self._writer = Writer(os.fspath(tensorboard_dir))
 
