@@ -33,6 +33,8 @@ from cairn.handlers._protocol import Handler, Snapshot
 from cairn.handlers._registry import handler_by_id, handler_for, register, registered_types
 from cairn.handlers._registry import register_by_methods as _register_by_methods
 from cairn.handlers._speechbrain import SpeechBrainHandler, SpeechBrainRecoverable
+from cairn.handlers._torch import TORCH_TYPES as _TORCH_TYPES
+from cairn.handlers._torch import TorchStateHandler
 from cairn.handlers._train_state import LazyArray, TrainStateHandler, TrainStateRestore
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "StoredItem",
     "TfDataIteratorHandler",
     "TfDataIteratorState",
+    "TorchStateHandler",
     "TrainStateHandler",
     "TrainStateRestore",
     "errors",
@@ -85,3 +88,5 @@ register(GrainIteratorHandler(), *_iterators.GRAIN_TYPES)
 _register_by_methods(StatefulIteratorHandler(), _iterators.has_state_methods)
 # The recoverables of cairn.manager.speechbrain's Checkpointer; by id, any reader restores them.
 register(SpeechBrainHandler(), SpeechBrainRecoverable)
+# torch modules, optimizers, schedulers and tensors, by type name (torch loads when one is saved).
+register(TorchStateHandler(), *_TORCH_TYPES)
