@@ -17,6 +17,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -114,7 +116,22 @@ def _open(
             path, read_only=not writable, step_prefix=step_prefix, step_digits=step_digits
         )
     except (OSError, ValueError, TypeError, CairnError) as e:
-        raise _UsageError(f"{directory}: {e}") from None
+        raise _UsageError(f"{directory}: {_as_flags(str(e))}") from None
+
+
+def _as_flags(message: str) -> str:
+    """The manager's advice in the command line's words: ``CheckpointManager(...,
+    step_prefix='x', step_digits=6)`` becomes ``--step-prefix 'x' --step-digits 6``."""
+
+    def flags(match: re.Match[str]) -> str:
+        digits = f" --step-digits {match.group(2)}" if match.group(2) else ""
+        return f"run it again with --step-prefix {match.group(1)}{digits}"
+
+    return re.sub(
+        r"open it with CheckpointManager\(\.\.\., step_prefix=('[^']*')(?:, step_digits=(\d+))?\)",
+        flags,
+        message,
+    )
 
 
 def _size(nbytes: float) -> str:
@@ -308,6 +325,10 @@ def _metrics(args: argparse.Namespace) -> int:
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         views = _views(_infos(mgr), all_readable=True)
     names = sorted({k for v in views for k in v.metrics})
+    if args.metric is not None:  # the table (and the plot) of that metric alone
+        if args.metric not in names:
+            raise _UsageError(f"{args.directory}: no metric {args.metric!r} (metrics: {names})")
+        names = [args.metric]
     if args.json:
         # The step number is the "step" key: a metric of that name cannot stand in for it.
         _json(
@@ -324,8 +345,12 @@ def _metrics(args: argparse.Namespace) -> int:
         metric = args.metric or (names[0] if names else None)
         if metric is None:
             raise _UsageError(f"{args.directory}: no metrics to plot")
-        if metric not in names:
-            raise _UsageError(f"{args.directory}: no metric {metric!r} (metrics: {names})")
+        mode = args.mode
+        if mode is None:  # a directory records no best rule: a guess would mark the worst step
+            raise _UsageError(
+                f"--plot marks the best step: say whether a low or a high {metric!r} is best "
+                "with --mode min or --mode max"
+            )
         try:
             import matplotlib
         except ImportError:
@@ -337,18 +362,20 @@ def _metrics(args: argparse.Namespace) -> int:
         name = _printable(metric)  # drawn as it is: no control characters, no $math$
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{name} (kept steps)")
-        best = (min if args.mode == "min" else max)(points, key=lambda p: p[1])
-        ax.plot(
-            [best[0]], [best[1]], "r*", markersize=14, label=f"best ({args.mode}): step {best[0]}"
-        )
+        best = (min if mode == "min" else max)(points, key=lambda p: p[1])
+        ax.plot([best[0]], [best[1]], "r*", markersize=14, label=f"best ({mode}): step {best[0]}")
         ax.set_xlabel("step")
         ax.set_ylabel(name, parse_math=False)
         ax.set_title(_printable(args.directory), parse_math=False)
         for text in ax.legend().get_texts():
             text.set_parse_math(False)
         fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        plt.close(fig)
+        try:
+            fig.savefig(args.plot, dpi=100)
+        except OSError as e:
+            raise _UsageError(f"--plot {args.plot}: {e.strerror or e}") from None
+        finally:
+            plt.close(fig)
         _say(f"wrote {args.plot}", err=True)
     return 0
 
@@ -493,7 +520,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--step-digits", type=int, default=None, help="as the manager's step_digits (padding)"
         )
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, parser=p)
         return p
 
     ls = command("ls", _ls, "list the steps: time, size, metrics, items, status")
@@ -506,7 +533,12 @@ def _parser() -> argparse.ArgumentParser:
     metrics = command("metrics", _metrics, "metrics by step; --plot writes a PNG")
     metrics.add_argument("--plot", default=None, metavar="OUT.png")
     metrics.add_argument("--metric", default=None)
-    metrics.add_argument("--mode", choices=["min", "max"], default="min")
+    metrics.add_argument(
+        "--mode",
+        choices=["min", "max"],
+        default=None,
+        help="which end of the metric is best; needed by --plot, which marks the best step",
+    )
     metrics.add_argument("--json", action="store_true")
     gc = command("gc", _gc, "delete the steps a keep policy does not keep (the newest stays)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
@@ -535,10 +567,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # that subcommand's usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         with _warnings_to_stderr():
             code: int = args.run(args)
+            sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return code
     except _UsageError as e:
         _say(f"cairn: error: {e}", err=True)
@@ -546,6 +581,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("cairn: interrupted", err=True)
         return 130
+    except BrokenPipeError:  # `cairn ls DIR | head`: as Python's docs advise, stay quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
+    except Exception as e:  # never a traceback: one line and a status
+        _say(f"cairn: error: {type(e).__name__}: {e}", err=True)
+        return 1
 
 
 if __name__ == "__main__":

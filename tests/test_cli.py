@@ -134,7 +134,7 @@ def test_show_metrics_plot_gc_rm(tmp_path: Path) -> None:
     shown = json.loads(cairn("show", str(tmp_path), "3", "--json").stdout)
     assert shown["items"]["state"]["handler"] == "cairn.train_state"
     plot = tmp_path / "loss.png"
-    metrics = cairn("metrics", str(tmp_path), "--plot", str(plot))
+    metrics = cairn("metrics", str(tmp_path), "--plot", str(plot), "--mode", "min")
     assert metrics.returncode == 0 and metrics.stdout.splitlines()[:2] == ["step loss", "0 1"]
     assert plot.stat().st_size > 5000 and plot.read_bytes()[:4] == b"\x89PNG"
     dry = cairn("gc", str(tmp_path), "--keep-latest", "2", "--dry-run")
@@ -323,5 +323,70 @@ def test_a_crafted_metric_name_plots(tmp_path: Path, capsys: pytest.CaptureFixtu
         for step in (1, 2):
             mgr.save(step, {"state": [step]}, metrics={"$\\foo$" + EVIL: float(step)})
     plot = tmp_path / "m.png"
-    code, _, err = run_cli(capsys, "metrics", str(tmp_path), "--plot", str(plot))
+    code, _, err = run_cli(capsys, "metrics", str(tmp_path), "--plot", str(plot), "--mode", "min")
     assert code == 0 and err == f"wrote {plot}\n" and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_traceback_for_what_users_do(tmp_path: Path) -> None:
+    """Issue 20, point 15: every error is one line and a status; an unknown option prints that
+    subcommand's usage; a closed pipe ends quietly."""
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"s": [step]}, metrics={"accuracy": 0.5 + step / 10})
+    bad_plot = cairn("metrics", str(tmp_path), "--plot", "/nonexistent/x.png", "--mode", "min")
+    assert bad_plot.returncode == 2 and "Traceback" not in bad_plot.stderr
+    assert bad_plot.stderr.strip().splitlines()[-1] == (
+        "cairn: error: --plot /nonexistent/x.png: No such file or directory"
+    )
+    no_mode = cairn("metrics", str(tmp_path), "--plot", str(tmp_path / "m.png"))
+    assert no_mode.returncode == 2 and "--mode min or --mode max" in no_mode.stderr
+    assert not (tmp_path / "m.png").exists()
+    unknown = cairn("ls", str(tmp_path), "--bogus")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert unknown.stderr.startswith("usage: cairn ls "), unknown.stderr
+    assert "unrecognized arguments: --bogus" in unknown.stderr
+    piped = subprocess.run(
+        f"'{CAIRN}' metrics '{tmp_path}' | head -c 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+def test_metric_without_plot_selects_the_column(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"s": [1]}, metrics={"loss": 0.5, "accuracy": 0.7})
+    out = cairn("metrics", str(tmp_path), "--metric", "accuracy")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["step accuracy", "1 0.7"]
+    missing = cairn("metrics", str(tmp_path), "--metric", "bleu")
+    assert missing.returncode == 2 and "no metric 'bleu'" in missing.stderr
+
+
+def test_a_broken_pipe_mid_output_is_quiet(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(1, 400):
+            mgr.save(step, {"s": [step]}, metrics={"loss": 1.0 / step})
+    piped = subprocess.run(
+        f"'{CAIRN}' metrics '{tmp_path}' | head -n 2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert piped.stdout.splitlines()[0] == "step loss" and piped.stderr == "", piped.stderr
+
+
+def test_orbax_names_get_the_cli_flag(tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path, options=opts) as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)})))
+    out = cairn("ls", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "run it again with --step-prefix ''" in out.stderr, out.stderr
+    again = cairn("ls", str(tmp_path), "--step-prefix", "")
+    assert again.returncode == 0 and "1" in again.stdout, again.stderr
