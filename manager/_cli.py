@@ -119,6 +119,11 @@ def _open(
         raise _UsageError(f"{directory}: {_as_flags(str(e))}") from None
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``, ``0 steps``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _as_flags(message: str) -> str:
     """The manager's advice in the command line's words: ``CheckpointManager(...,
     step_prefix='x', step_digits=6)`` becomes ``--step-prefix 'x' --step-digits 6``."""
@@ -398,7 +403,8 @@ def _gc(args: argparse.Namespace) -> int:
                 advance(1)
         kept = [s for s in mgr.all_steps() if s not in doomed]
     _say(
-        f"{len(doomed)} steps {'would be ' if args.dry_run else ''}deleted, {len(kept)} kept: {kept}"
+        f"{_count(len(doomed), 'step')} {'would be ' if args.dry_run else ''}deleted, "
+        f"{len(kept)} kept: {kept}"
     )
     return 0
 
@@ -494,7 +500,7 @@ def _verify(args: argparse.Namespace) -> int:
                 _say(f"step {r['step']}: ok")
             for problem in r["problems"]:
                 _say(f"step {r['step']}: DAMAGED: {problem}")
-        summary = f"{len(results)} steps checked, {len(damaged)} damaged"
+        summary = f"{_count(len(results), 'step')} checked, {len(damaged)} damaged"
         _say(summary if results else f"{args.directory}: no committed steps")
     return 1 if damaged else 0
 

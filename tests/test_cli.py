@@ -390,3 +390,14 @@ def test_orbax_names_get_the_cli_flag(tmp_path: Path) -> None:
     assert "run it again with --step-prefix ''" in out.stderr, out.stderr
     again = cairn("ls", str(tmp_path), "--step-prefix", "")
     assert again.returncode == 0 and "1" in again.stdout, again.stderr
+
+
+def test_counts_are_spelled_right(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"s": [1]})
+    verify = cairn("verify", str(tmp_path))
+    assert verify.stdout.splitlines()[-1] == "1 step checked, 0 damaged", verify.stdout
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, {"s": [2]})
+    gc = cairn("gc", str(tmp_path), "--keep-latest", "1")
+    assert "1 step deleted, 1 kept: [2]" in gc.stdout, gc.stdout
