@@ -48,4 +48,7 @@ def test_train_and_resume_example(tmp_path: Path, pipeline: str, seed: int) -> N
     show = run("show", ckpts, kept[-1][0])
     assert "item 'state': train-state" in show.stdout and "item 'dataset'" in show.stdout
     plot = tmp_path / "eval.png"
-    assert run("metrics", ckpts, "--plot", str(plot), "--mode", "min").returncode == 0 and plot.stat().st_size > 0
+    assert (
+        run("metrics", ckpts, "--plot", str(plot), "--mode", "min").returncode == 0
+        and plot.stat().st_size > 0
+    )
