@@ -309,7 +309,7 @@ def test_cairn_verify_on_a_bucket(s3_bucket: str, s3_endpoint: str) -> None:
         [cairn, "verify", url], capture_output=True, text=True, env=s3_env(s3_endpoint), timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["step 1: ok", "1 steps checked, 0 damaged"]
+    assert out.stdout.splitlines() == ["step 1: ok", "1 step checked, 0 damaged"]
     store = ObjectStore(url, StorageOptions())
     key = next(k for k in store.list_keys() if k.endswith("tree.json"))
     store.write(key, b"{}")  # damaged in place
