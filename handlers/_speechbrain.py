@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from cairn.handlers._files import Destination, FileRecord, StoredItem, as_destination
 from cairn.handlers._iterators import encode_state
+from cairn.handlers._optional import optional
 
 __all__ = ["SpeechBrainHandler", "SpeechBrainRecoverable"]
 
@@ -48,7 +49,7 @@ class SpeechBrainRecoverable:
 
 def _state_dict_on_cpu(obj: Any) -> Any:
     """A copy of ``obj.state_dict()`` whose tensors are detached CPU copies (a snapshot)."""
-    import torch
+    torch = optional("torch", feature="saving a torch recoverable")
 
     def copy_value(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -76,8 +77,7 @@ class _Written:
         if self._staged is None:
             data = self._data
             if not isinstance(data, bytes):  # a state_dict: serialised here, off the caller
-                import torch
-
+                torch = optional("torch", feature="saving a torch recoverable")
                 buffer = io.BytesIO()
                 torch.save(data, buffer)
                 data = buffer.getvalue()

@@ -36,11 +36,16 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers import SpeechBrainHandler, SpeechBrainRecoverable
-from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError, UnsupportedFormatError
-from cairn.handlers.io import decode_state, has_state_methods, open_regular
-from cairn.manager._format import trash_name
+from cairn.handlers._optional import optional
+from cairn.handlers.errors import (
+    CorruptCheckpointError,
+    MissingDependencyError,
+    StepNotFoundError,
+    UnsupportedFormatError,
+)
+from cairn.handlers.io import decode_state, encode_state, has_state_methods, open_regular
+from cairn.manager._format import item_name_problem, trash_name
 from cairn.manager._manager import CheckpointManager
-from cairn.manager._validate import check_item_name
 
 log = logging.getLogger("cairn")
 
@@ -77,8 +82,7 @@ def torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     Inside a cairn Checkpointer this hook is not called as such: the state_dict is copied to the
     CPU inside save_checkpoint and written with ``torch.save`` on the commit thread.
     """
-    import torch
-
+    torch = optional("torch", feature="torch_save")
     state_dict = obj.state_dict()
     if not state_dict:
         log.warning("cairn.speechbrain: saving an empty state_dict for %r in %s", obj, path)
@@ -94,8 +98,7 @@ def _torch_load(path: str | os.PathLike[str], map_location: Any) -> Any:
     CorruptCheckpointError naming it, whatever torch raises for it."""
     import pickle
 
-    import torch
-
+    torch = optional("torch", feature="loading a torch paramfile")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, UnicodeDecodeError, pickle.UnpicklingError, ValueError) as e:
@@ -256,6 +259,54 @@ def get_default_hook(obj: Any, default_hooks: Mapping[type, Callable[..., Any]])
     return None
 
 
+_SB_CHECKPOINTS = "speechbrain.utils.checkpoints"
+_OURS = {"save": DEFAULT_SAVE_HOOKS, "load": DEFAULT_LOAD_HOOKS, "transfer": DEFAULT_TRANSFER_HOOKS}
+
+
+def _speechbrain_hooks(kind: str) -> Mapping[type, Callable[..., Any]]:
+    """SpeechBrain's own registry of `kind` hooks (its ``DEFAULT_SAVE_HOOKS`` ...), where classes
+    decorated with its ``register_checkpoint_hooks`` are; empty unless the program imported
+    speechbrain's checkpoints module (a class registered there has: the decorator lives in it),
+    so cairn never imports speechbrain itself."""
+    module = sys.modules.get(_SB_CHECKPOINTS)
+    hooks = getattr(module, f"DEFAULT_{kind.upper()}_HOOKS", None)
+    return hooks if isinstance(hooks, Mapping) else {}
+
+
+def _from_speechbrain(hook: Any, kind: str) -> Any:
+    """A hook of SpeechBrain's registry as cairn runs it: SpeechBrain's torch hooks become
+    cairn's (the state_dict copied in the snapshot, ``weights_only`` loads), and a save hook that
+    ``register_checkpoint_hooks`` wrapped in ``main_process_only`` is unwrapped: cairn already runs
+    save hooks on the main process only, and the wrapper's broadcast would wait for processes
+    that never call it."""
+    module = sys.modules.get(_SB_CHECKPOINTS)
+    same = {
+        "save": ("torch_save", "torch_save_once_per_node"),
+        "load": ("torch_recovery",),
+        "transfer": ("torch_parameter_transfer",),
+    }[kind]
+    if any(hook is getattr(module, name, None) for name in same):
+        return {"save": torch_save, "load": torch_recovery, "transfer": torch_parameter_transfer}[
+            kind
+        ]
+    wrapped = getattr(hook, "__wrapped__", None)
+    if kind == "save" and getattr(hook, "_speechbrain_saver", False) and callable(wrapped):
+        return wrapped
+    return hook
+
+
+def _find_hook(obj: Any, kind: str) -> Any:
+    """The default `kind` hook of `obj`: of its class or the nearest base class (MRO) in cairn's
+    registry or in SpeechBrain's (at each class, cairn's first), or None."""
+    ours, theirs = _OURS[kind], _speechbrain_hooks(kind)
+    for cls in inspect.getmro(type(obj)):
+        if cls in ours:
+            return ours[cls]
+        if cls in theirs:
+            return _from_speechbrain(theirs[cls], kind)
+    return None
+
+
 # ---------------------------------------------------------------------------- cairn's savers
 
 
@@ -356,9 +407,7 @@ class Checkpointer:
                 self.checkpoints_dir, step_prefix=CKPT_PREFIX, read_only=True
             )
         if self._world > 1:  # the main process saves only once every reader has listed the steps
-            import torch.distributed as dist
-
-            dist.barrier()
+            optional("torch.distributed", feature="a Checkpointer under DDP").barrier()
         latest = self._manager.latest_step()
         self._next = 0 if latest is None else latest + 1  # checkpoints are numbered in order
 
@@ -374,9 +423,7 @@ class Checkpointer:
             return
         if self._rank == 0:
             self._manager.wait_until_finished()
-        import torch.distributed as dist
-
-        dist.barrier()
+        optional("torch.distributed", feature="a Checkpointer under DDP").barrier()
         if self._rank != 0 and hasattr(self, "_manager"):
             self._manager.reload()
 
@@ -390,7 +437,16 @@ class Checkpointer:
     ) -> None:
         """Register `obj` under `name`, with optional hooks; `optional_load`: a checkpoint that
         lacks it still loads (with a warning)."""
-        check_item_name(name)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"recoverable names must be str, got {type(name).__qualname__} ({name!r})"
+            )
+        problem = item_name_problem(name)
+        if problem:
+            raise ValueError(
+                f"recoverable {name!r}: its name becomes the name of its directory in the "
+                f"checkpoint, so it follows cairn's rule for item names ({problem})"
+            )
         if name == _META_ITEM:
             raise ValueError(f"{_META_ITEM!r} is reserved")
         self.recoverables[name] = obj
@@ -413,7 +469,7 @@ class Checkpointer:
 
     def _plan(self, name: str, obj: Any) -> Any:
         """What the manager saves for one recoverable (a SpeechBrainRecoverable, or the pytree)."""
-        hook = self.custom_save_hooks.get(name) or get_default_hook(obj, DEFAULT_SAVE_HOOKS)
+        hook = self.custom_save_hooks.get(name) or _find_hook(obj, "save")
         # A hook writes into its own directory beside the steps, named as trash so that a crash
         # leaves nothing the next start does not remove; the commit moves the file into the step.
         staging = self.checkpoints_dir / trash_name(f"staging-{name}")
@@ -449,29 +505,30 @@ class Checkpointer:
         if self._rank != 0:
             self._synchronise()
             return None
-        full_meta: dict[str, Any] = {"unixtime": time.time(), "end-of-epoch": bool(end_of_epoch)}
-        full_meta.update(_check_meta(meta))
+        stored: dict[str, Any] = {"unixtime": time.time(), "end-of-epoch": bool(end_of_epoch)}
+        stored.update(_check_meta(meta))
         if name is not None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"name must be a non-empty str, got {name!r}")
-            full_meta["name"] = name
+            stored["name"] = name
+        full_meta = _decode_meta(stored)  # what list_checkpoints will give for it
         step = self._next
         items: dict[str, Any] = {}
         try:
             for rec_name, obj in self.recoverables.items():
                 items[rec_name] = self._plan(rec_name, obj)
             if not items:
-                items[_META_ITEM] = {"meta": json.dumps(full_meta)}
+                items[_META_ITEM] = {"meta": json.dumps(stored)}
+            # A NaN or infinite loss stays in the meta (a diverging run saves), not the metrics.
             metrics = {
-                k: float(v)
+                k: number
                 for k, v in full_meta.items()
                 if k not in ("unixtime", "end-of-epoch")
-                and isinstance(v, (int, float))
                 and not isinstance(v, bool)
+                and (number := _number(v)) is not None
+                and math.isfinite(number)
             }
-            self._manager.save(
-                step, items, metrics=metrics, metadata={"meta": full_meta}, force=True
-            )
+            self._manager.save(step, items, metrics=metrics, metadata={"meta": stored}, force=True)
         except BaseException:
             for item in items.values():
                 if isinstance(item, SpeechBrainRecoverable) and item.kind == "hook":
@@ -534,10 +591,14 @@ class Checkpointer:
             path = self.checkpoints_dir / f"{CKPT_PREFIX}_{step}"
             try:
                 info = self._manager.info(step)
-                meta = _checked_meta(info.metadata.get("meta"))
+                meta = _checked_meta(_decode_meta(info.metadata.get("meta")))
             except StepNotFoundError:
                 continue  # deleted meanwhile
-            except (CorruptCheckpointError, UnsupportedFormatError) as e:
+            except UnsupportedFormatError as e:
+                log.warning("cairn.speechbrain: skipping checkpoint %s: %s", path, e)
+                continue
+            except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
+                # CorruptCheckpointError, or a meta that _decode_meta cannot read
                 log.warning("cairn.speechbrain: skipping a damaged checkpoint %s: %s", path, e)
                 continue
             files = {
@@ -633,7 +694,8 @@ class Checkpointer:
                     warnings.warn(f"{message}. Skipping it.", UserWarning, stacklevel=2)
                     continue
                 raise RuntimeError(message)
-            if step is not None and pathlib.Path(path).is_dir():  # a pytree item
+            if step is not None and pathlib.Path(path) == pathlib.Path(checkpoint.path) / name:
+                # a pytree item (a hook's file is <name>/<name>.ckpt, even when a directory)
                 restored = self._manager.restore(step, {name: None})[name]
                 _assign(obj, restored, name)
                 continue
@@ -641,7 +703,7 @@ class Checkpointer:
                 self._manager.restore(step, {name: None})  # verifies the files
             else:
                 _check_paramfile(checkpoint, path)
-            hook = self.custom_load_hooks.get(name) or get_default_hook(obj, DEFAULT_LOAD_HOOKS)
+            hook = self.custom_load_hooks.get(name) or _find_hook(obj, "load")
             if hook is None and has_state_methods(obj):
                 hook = _state_load
             if hook is None:
@@ -741,29 +803,90 @@ def _check_hooks(hooks: Mapping[str, Any]) -> dict[str, Callable[..., Any]]:
 
 
 def _check_meta(meta: Any) -> dict[str, Any]:
-    """Meta as JSON data; 0-d NumPy/torch values become Python numbers."""
+    """Meta as stored in the manifest (`_encode_meta` of each value); TypeError naming the key
+    for a value that cannot be stored, ValueError for the keys the checkpointer sets."""
     if meta is None:
         return {}
     if not isinstance(meta, Mapping) or not all(isinstance(k, str) for k in meta):
-        raise TypeError(f"meta must be a mapping with str keys, got {meta!r}")
+        raise TypeError(f"meta must be a mapping with str keys, got {meta!r:.200}")
     out = {}
     for key, value in meta.items():
         if key in ("unixtime", "end-of-epoch"):
             raise ValueError(f"meta key {key!r} is set by the checkpointer")
-        if (
-            isinstance(value, np.generic)
-            or (isinstance(value, np.ndarray) and value.ndim == 0)
-            or (type(value).__module__.startswith("torch") and getattr(value, "ndim", None) == 0)
-        ):
-            value = value.item()
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"meta[{key!r}] is a {type(value).__qualname__}, not JSON data"
-            ) from None
-        out[key] = value
+        out[key] = _encode_meta(value, f"[{key!r}]")
     return out
+
+
+_TAG = "__cairn__"  # as in encode_state: a key no meta mapping may use
+
+
+def _encode_meta(value: Any, where: str) -> Any:
+    """A meta value as JSON data that `_decode_meta` turns back into it: what JSON holds, NaN and
+    the infinities, tuples, bytes, NumPy arrays, torch tensors (0-d ones and NumPy scalars as
+    Python numbers) and paths (``pathlib.Path``); TypeError naming `where` for anything else."""
+    if isinstance(value, pathlib.PurePath):
+        return {_TAG: "path", "value": str(value)}
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            return _encode_meta(value.item(), where)
+        try:
+            array = value.detach().to("cpu").numpy()
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"meta{where}: a {value.dtype} tensor cannot be stored: {e}") from None
+        return {_TAG: "tensor", "array": encode_state(array)}
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        value = value.item()
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"meta{where}: mapping keys must be str")
+        if _TAG in value:
+            raise TypeError(f"meta{where}: the key {_TAG!r} is reserved")
+        return {k: _encode_meta(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encode_meta(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {
+            _TAG: "tuple",
+            "items": [_encode_meta(v, f"{where}[{i}]") for i, v in enumerate(value)],
+        }
+    try:
+        return encode_state(value, where)
+    except TypeError:
+        raise TypeError(
+            f"meta{where} is a {type(value).__qualname__}; meta values must be JSON data, NaN or "
+            "infinite floats, tuples, bytes, NumPy arrays, torch tensors or pathlib paths"
+        ) from None
+
+
+def _decode_meta(value: Any) -> Any:
+    """The meta value `_encode_meta` stored as `value`. Input it did not write raises ValueError,
+    KeyError, TypeError or RecursionError (the caller reports the checkpoint as damaged)."""
+    if isinstance(value, list):
+        return [_decode_meta(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    tag = value.get(_TAG)
+    if tag is None:
+        return {k: _decode_meta(v) for k, v in value.items()}
+    if tag == "path":
+        if not isinstance(value["value"], str):
+            raise TypeError("a path in the meta is not a str")
+        return pathlib.Path(value["value"])
+    if tag == "tuple":
+        if not isinstance(value["items"], list):
+            raise TypeError("a tuple in the meta is not a list")
+        return tuple(_decode_meta(v) for v in value["items"])
+    if tag == "tensor":
+        array = decode_state(value["array"])
+        if not isinstance(array, np.ndarray):
+            raise TypeError("a tensor in the meta is not an array")
+        try:
+            torch = optional("torch", feature="a torch tensor in a checkpoint's meta")
+        except MissingDependencyError:
+            return array  # saved where torch was; read here as the NumPy array it holds
+        return torch.from_numpy(array)
+    return decode_state(value)
 
 
 _META_LIMIT = 256 << 10  # bytes of a SpeechBrain CKPT.yaml (a few lines in practice)
@@ -805,7 +928,13 @@ def _parse_meta(data: bytes) -> Any:
     """A CKPT.yaml as data: plain YAML (safe tags only) without aliases and nested at most
     `_META_DEPTH` deep, checked on the event stream before anything is built (an alias bomb or a
     deep document never reaches the constructor); CorruptCheckpointError otherwise."""
-    import yaml
+    try:
+        import yaml
+    except ImportError as e:  # PyYAML comes with speechbrain, whose checkpoints these are
+        raise MissingDependencyError(
+            "reading checkpoints SpeechBrain wrote (CKPT.yaml) needs PyYAML, which is not "
+            "installed in this Python; install it with: pip install 'cairn-ckpt[speechbrain]'"
+        ) from e
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
@@ -930,13 +1059,11 @@ def average_state_dicts(state_dicts: Iterable[Mapping[str, Any]]) -> dict[str, A
 
 
 def _as_float(value: Any, *, copy: bool) -> Any:
-    if "torch" in sys.modules:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            value = value if value.is_floating_point() else value.double()
-            return value.clone() if copy else value
+    torch = sys.modules.get("torch")  # a tensor here means the program imported torch
+    if torch is not None and isinstance(value, torch.Tensor):
+        value = value.detach()
+        value = value if value.is_floating_point() else value.double()
+        return value.clone() if copy else value
     array = np.asarray(value)
     if array.dtype.kind not in "fc":
         array = array.astype(np.float64)

@@ -435,7 +435,7 @@ def test_bad_input(tmp_path: Path) -> None:
         c.save_checkpoint()
     with Checkpointer(tmp_path / "d", {"n": Net()}) as c:
         with pytest.raises(
-            TypeError, match=r"meta\['f'\] is a builtin_function_or_method, not JSON data"
+            TypeError, match=r"meta\['f'\] is a builtin_function_or_method; meta values must be"
         ):
             c.save_checkpoint(meta={"f": print})
         with pytest.raises(ValueError, match="'unixtime' is set by the checkpointer"):
