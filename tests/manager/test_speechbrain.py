@@ -482,6 +482,7 @@ def test_two_ddp_processes_share_one_directory(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.glob("CKPT_*")] == ["CKPT_2"]
     for out in launch():
         assert "resumed 2" in out and "epoch 5 listed [5]" in out
+        assert "counter 3" in out  # SpeechBrain's EpochCounter, loaded on both processes
 
 
 def test_parameter_transfer_is_not_strict(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
