@@ -323,7 +323,7 @@ GRAIN_TYPES = ("grain._src.python.dataset.dataset.DatasetIterator", _GRAIN_LOADE
 def ensure_absl_flags_parsed() -> None:
     """Grain's multiprocess workers read absl flags; outside ``absl.app.run`` nobody parsed them,
     and the workers fail with UnparsedFlagAccessError. Mark them parsed (their defaults)."""
-    from absl import flags
+    flags = optional("absl.flags", feature="grain iterators")
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
@@ -481,6 +481,9 @@ def _tf_message(error: Any) -> str:
     return re.sub(r"\s*\[Op:\w+\].*$", "", text, flags=re.S)
 
 
+_TF_FEATURE = "tf.data iterator state"
+
+
 def _split(data: bytes, where: str) -> list[bytes]:
     """The pieces of a ``process_*.tfdata`` file (magic, count, lengths, pieces), each checked
     with `_check_piece`: CorruptCheckpointError naming `where` and the piece if any is wrong."""
@@ -533,6 +536,7 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
 
 
 def _parse(message: Any, data: bytes) -> Any:
+    # protobuf comes with tensorflow, which made `message` (its top module is no extra's)
     from google.protobuf.message import DecodeError
 
     try:
@@ -546,7 +550,8 @@ def _variant_value(tensor: Any) -> Any:
     """The one VariantTensorDataProto of a scalar DT_VARIANT TensorProto, in either of
     TensorFlow's encodings (``variant_val``, or a varint length and the bytes in
     ``tensor_content``)."""
-    from tensorflow.core.framework import tensor_pb2, types_pb2
+    tensor_pb2 = optional("tensorflow.core.framework.tensor_pb2", feature=_TF_FEATURE)
+    types_pb2 = optional("tensorflow.core.framework.types_pb2", feature=_TF_FEATURE)
 
     fields = {f.name for f, _ in tensor.ListFields()}
     shape = tensor.tensor_shape
@@ -569,7 +574,8 @@ def _check_piece(piece: bytes) -> None:
     This refuses damage and sizes that would make TensorFlow allocate beyond what the file holds;
     values inside the compressed data are not checked here (the probe process is for those).
     """
-    from tensorflow.core.framework import dataset_pb2, tensor_pb2
+    dataset_pb2 = optional("tensorflow.core.framework.dataset_pb2", feature=_TF_FEATURE)
+    tensor_pb2 = optional("tensorflow.core.framework.tensor_pb2", feature=_TF_FEATURE)
 
     state = _variant_value(_parse(tensor_pb2.TensorProto(), piece))
     if state.type_name != _ITERATOR_TYPE:

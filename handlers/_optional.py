@@ -9,6 +9,7 @@ from cairn.handlers.errors import MissingDependencyError
 
 # The distribution's top-level module -> the cairn-ckpt extra that installs it.
 EXTRAS = {
+    "absl": "grain",  # absl-py, which grain's workers read their flags from
     "grain": "grain",
     "jax": "jax",
     "orbax": "orbax",

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers.errors import CairnError
+from cairn.handlers._optional import optional
+from cairn.handlers.errors import CairnError, MissingDependencyError
 from cairn.manager._manager import CheckpointManager
 
 
@@ -47,6 +48,32 @@ def _printable(text: object) -> str:
 def _say(line: object = "", *, err: bool = False) -> None:
     """Print one line, escaped (see `_printable`), on stdout or stderr."""
     print(_printable(line), file=sys.stderr if err else sys.stdout)
+
+
+def _console() -> Any:
+    """The console tables go to: stdout, with styles and the terminal's width on a terminal, and
+    plain text 160 columns wide (no escape codes, no colours) in a pipe or a file. rich decides
+    what is a terminal (``isatty``, and its ``FORCE_COLOR``/``TTY_COMPATIBLE`` variables)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=160)
+
+
+def _table(
+    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], **right: bool
+) -> Any:
+    """A rich table of `rows` (cells as `Text`, never markup: they come from the directory).
+    The columns named in `right` are right-aligned."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=None if title is None else Text(_printable(title)))
+    for column in columns:
+        table.add_column(column, justify="right" if right.get(column) else "left")
+    for row in rows:
+        table.add_row(*(Text(_printable(cell)) for cell in row))
+    return table
 
 
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
@@ -220,10 +247,6 @@ def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     policy = _keep_policy(args)
     rows: list[dict[str, Any]] = []
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
@@ -255,13 +278,12 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _json(rows)
         return 0
-    table = Table(title=Text(_printable(args.directory)))
-    for column in ("step", "committed", "size", "metrics", "items", "status"):
-        table.add_column(column, justify="right" if column in ("step", "size") else "left")
+    columns = ["step", "committed", "size", "metrics", "items", "status"]
     if policy is not None:
-        table.add_column("kept by")
+        columns.append("kept by")
+    cells = []
     for row in rows:
-        cells = [
+        line = [
             str(row["step"]),
             _when(row["committed_at"]) if "committed_at" in row else "-",
             _size(row["bytes"]) if "bytes" in row else "-",
@@ -276,9 +298,9 @@ def _ls(args: argparse.Namespace) -> int:
                 kept = "(damaged: gc skips it)"
             else:
                 kept = ", ".join(row.get("kept_by", [])) or "(gc would delete)"
-            cells.append(kept)
-        table.add_row(*(Text(_printable(cell)) for cell in cells))
-    Console(highlight=False, width=160).print(table)
+            line.append(kept)
+        cells.append(line)
+    _console().print(_table(args.directory, columns, cells, step=True, size=True))
     return 0
 
 
@@ -310,79 +332,128 @@ def _show(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    _say(f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}")
-    if info.metrics:
-        _say("  metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items()))
+    header = f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}"
+    metrics = ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
+    console = _console()
+    if console.is_terminal:  # one table: a row per item, then a row per leaf under it
+        rows: list[list[str]] = []
+        for name, item in described.items():
+            kind = str(item.get("kind", item.get("handler")))
+            rows.append([name, "", kind, _size(item.get("bytes") or 0)])
+            for leaf in item.get("leaves", []):
+                rows.append(["", str(leaf["path"]), *_leaf_cells(leaf)])
+        _say(header)
+        if metrics:
+            _say(f"metrics: {metrics}")
+        console.print(_table(None, ["item", "key path", "value", "size"], rows, size=True))
+        return 0
+    _say(header)
+    if metrics:
+        _say("  metrics: " + metrics)
     for name, item in described.items():
         kind = item.get("kind", item.get("handler"))
         _say(f"  item {name!r}: {kind}, {_size(item.get('bytes') or 0)}")
         for leaf in item.get("leaves", []):
-            if "shape" in leaf:
-                nbytes = _leaf_bytes(leaf)
-                size = f", {_size(nbytes)}" if nbytes is not None else ""
-                _say(f"    {leaf['path']}: {leaf['dtype']}{list(leaf['shape'])}{size}")
-            else:
-                _say(f"    {leaf['path']}: {leaf.get('value')!r}")
+            value, size = _leaf_cells(leaf)
+            _say(f"    {leaf['path']}: {value}" + (f", {size}" if size else ""))
     return 0
+
+
+def _leaf_cells(leaf: dict[str, Any]) -> tuple[str, str]:
+    """A leaf of `describe()` as its value (dtype and shape, or the value) and its size."""
+    if "shape" in leaf:
+        nbytes = _leaf_bytes(leaf)
+        return f"{leaf['dtype']}{list(leaf['shape'])}", _size(nbytes) if nbytes is not None else ""
+    return repr(leaf.get("value")), ""
 
 
 def _metrics(args: argparse.Namespace) -> int:
+    if args.mode is not None and not args.plot:
+        raise _UsageError(
+            "--mode says which end of the metric --plot marks as best: it needs --plot"
+        )
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         views = _views(_infos(mgr), all_readable=True)
     names = sorted({k for v in views for k in v.metrics})
-    if args.metric is not None:  # the table (and the plot) of that metric alone
+    if args.metric is not None:  # the table, the JSON and the plot of that metric alone
         if args.metric not in names:
             raise _UsageError(f"{args.directory}: no metric {args.metric!r} (metrics: {names})")
         names = [args.metric]
+    plot = _plot_setup(args, names) if args.plot else None  # refused before anything is printed
     if args.json:
         # The step number is the "step" key: a metric of that name cannot stand in for it.
         _json(
-            [{"step": v.step} | {k: x for k, x in v.metrics.items() if k != "step"} for v in views]
+            [
+                {"step": v.step}
+                | {n: v.metrics[n] for n in names if n in v.metrics and n != "step"}
+                for v in views
+            ]
         )
     else:
-        _say("step " + " ".join(names))
-        for v in views:
-            _say(
-                f"{v.step} "
-                + " ".join(f"{v.metrics[n]:.6g}" if n in v.metrics else "-" for n in names)
-            )
-    if args.plot:
-        metric = args.metric or (names[0] if names else None)
-        if metric is None:
-            raise _UsageError(f"{args.directory}: no metrics to plot")
-        mode = args.mode
-        if mode is None:  # a directory records no best rule: a guess would mark the worst step
-            raise _UsageError(
-                f"--plot marks the best step: say whether a low or a high {metric!r} is best "
-                "with --mode min or --mode max"
-            )
-        try:
-            import matplotlib
-        except ImportError:
-            raise _UsageError("--plot needs matplotlib: pip install matplotlib") from None
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        points = [(v.step, v.metrics[metric]) for v in views if metric in v.metrics]
-        name = _printable(metric)  # drawn as it is: no control characters, no $math$
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{name} (kept steps)")
-        best = (min if mode == "min" else max)(points, key=lambda p: p[1])
-        ax.plot([best[0]], [best[1]], "r*", markersize=14, label=f"best ({mode}): step {best[0]}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(name, parse_math=False)
-        ax.set_title(_printable(args.directory), parse_math=False)
-        for text in ax.legend().get_texts():
-            text.set_parse_math(False)
-        fig.tight_layout()
-        try:
-            fig.savefig(args.plot, dpi=100)
-        except OSError as e:
-            raise _UsageError(f"--plot {args.plot}: {e.strerror or e}") from None
-        finally:
-            plt.close(fig)
-        _say(f"wrote {args.plot}", err=True)
+        rows = [
+            [str(v.step), *(f"{v.metrics[n]:.6g}" if n in v.metrics else "-" for n in names)]
+            for v in views
+        ]
+        console = _console()
+        if console.is_terminal:
+            right = {n: True for n in names} | {"step": True}
+            console.print(_table(args.directory, ["step", *names], rows, **right))
+        else:  # plain lines, for scripts: a header, then one line per step
+            _say("step " + " ".join(names))
+            for row in rows:
+                _say(" ".join(row))
+    if plot is not None:
+        _plot(args, views, *plot)
     return 0
+
+
+def _plot_setup(args: argparse.Namespace, names: list[str]) -> tuple[str, str, Any]:
+    """The metric and mode --plot draws, and pyplot; a usage error for what cannot work."""
+    metric = args.metric or (names[0] if names else None)
+    if metric is None:
+        raise _UsageError(f"{args.directory}: no metrics to plot")
+    # No directory records the run's best= or KeepBest mode (the manager keeps them in memory),
+    # and a guess would mark the worst step of an accuracy: the user says which end is best.
+    if args.mode is None:
+        raise _UsageError(
+            f"--plot marks the best step: say whether a low or a high {metric!r} is best "
+            "with --mode min or --mode max"
+        )
+    parent = Path(args.plot).parent
+    if not parent.is_dir():
+        raise _UsageError(f"--plot {args.plot}: no such directory {str(parent)!r}")
+    try:
+        matplotlib = optional("matplotlib", feature="cairn metrics --plot")
+    except MissingDependencyError as e:
+        raise _UsageError(str(e)) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return metric, args.mode, plt
+
+
+def _plot(args: argparse.Namespace, views: list[Any], metric: str, mode: str, plt: Any) -> None:
+    points = [(v.step, v.metrics[metric]) for v in views if metric in v.metrics]
+    name = _printable(metric)  # drawn as it is: no control characters, no $math$
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{name} (kept steps)")
+    best = (min if mode == "min" else max)(points, key=lambda p: p[1])
+    ax.plot([best[0]], [best[1]], "r*", markersize=14, label=f"best ({mode}): step {best[0]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(name, parse_math=False)
+    ax.set_title(_printable(args.directory), parse_math=False)
+    for text in ax.legend().get_texts():
+        text.set_parse_math(False)
+    fig.tight_layout()
+    try:
+        fig.savefig(args.plot, dpi=100)
+    except OSError as e:
+        raise _UsageError(f"--plot {args.plot}: {e.strerror or e}") from None
+    except ValueError as e:  # an extension matplotlib cannot write ("x.foo")
+        raise _UsageError(f"--plot {args.plot}: {e}") from None
+    finally:
+        plt.close(fig)
+    _say(f"wrote {args.plot}", err=True)
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -492,16 +563,30 @@ def _verify(args: argparse.Namespace) -> int:
     damaged = [r for r in results if not r["ok"]]
     if args.json:
         _json(results)
-    else:
-        for r in results:  # plain lines (never wrapped), one per finding, for people and grep
-            if r["ok"] and r.get("format") == "orbax":
-                _say(f"step {r['step']}: orbax step, no checksums to verify")
-            elif r["ok"]:
-                _say(f"step {r['step']}: ok")
-            for problem in r["problems"]:
-                _say(f"step {r['step']}: DAMAGED: {problem}")
-        summary = f"{_count(len(results), 'step')} checked, {len(damaged)} damaged"
-        _say(summary if results else f"{args.directory}: no committed steps")
+        return 1 if damaged else 0
+    summary = f"{_count(len(results), 'step')} checked, {len(damaged)} damaged"
+    if not results:
+        summary = f"{args.directory}: no committed steps"
+    findings: list[tuple[int, str, str]] = []
+    for r in results:
+        if r["ok"] and r.get("format") == "orbax":
+            findings.append((r["step"], "ok", "orbax step, no checksums to verify"))
+        elif r["ok"]:
+            findings.append((r["step"], "ok", ""))
+        for problem in r["problems"]:
+            findings.append((r["step"], "DAMAGED", problem))
+    console = _console()
+    if console.is_terminal:
+        rows = [[str(step), status, detail] for step, status, detail in findings]
+        console.print(_table(args.directory, ["step", "status", "detail"], rows, step=True))
+        _say(summary)
+        return 1 if damaged else 0
+    for step, status, detail in findings:  # plain lines (never wrapped), one per finding, for grep
+        if status == "DAMAGED":
+            _say(f"step {step}: DAMAGED: {detail}")
+        else:
+            _say(f"step {step}: {detail or 'ok'}")
+    _say(summary)
     return 1 if damaged else 0
 
 

@@ -336,8 +336,9 @@ def test_no_traceback_for_what_users_do(tmp_path: Path) -> None:
     bad_plot = cairn("metrics", str(tmp_path), "--plot", "/nonexistent/x.png", "--mode", "min")
     assert bad_plot.returncode == 2 and "Traceback" not in bad_plot.stderr
     assert bad_plot.stderr.strip().splitlines()[-1] == (
-        "cairn: error: --plot /nonexistent/x.png: No such file or directory"
+        "cairn: error: --plot /nonexistent/x.png: no such directory '/nonexistent'"
     )
+    assert bad_plot.stdout == ""  # refused before the table is printed
     no_mode = cairn("metrics", str(tmp_path), "--plot", str(tmp_path / "m.png"))
     assert no_mode.returncode == 2 and "--mode min or --mode max" in no_mode.stderr
     assert not (tmp_path / "m.png").exists()
