@@ -56,8 +56,13 @@ def _console() -> Any:
     what is a terminal (``isatty``, and its ``FORCE_COLOR``/``TTY_COMPATIBLE`` variables)."""
     from rich.console import Console
 
-    console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=160)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # main() handles it, as for every other line
+            self.quiet = True
+            raise BrokenPipeError
+
+    console = _Console(highlight=False)
+    return console if console.is_terminal else _Console(highlight=False, width=160)
 
 
 def _table(
@@ -143,7 +148,10 @@ def _open(
             path, read_only=not writable, step_prefix=step_prefix, step_digits=step_digits
         )
     except (OSError, ValueError, TypeError, CairnError) as e:
-        raise _UsageError(f"{directory}: {_as_flags(str(e))}") from None
+        message = _as_flags(str(e))  # named once: the manager's message may start with it
+        raise _UsageError(
+            message if message.startswith(str(path)) else f"{directory}: {message}"
+        ) from None
 
 
 def _count(n: int, noun: str) -> str:
@@ -159,11 +167,13 @@ def _as_flags(message: str) -> str:
         digits = f" --step-digits {match.group(2)}" if match.group(2) else ""
         return f"run it again with --step-prefix {match.group(1)}{digits}"
 
-    return re.sub(
+    message = re.sub(
         r"open it with CheckpointManager\(\.\.\., step_prefix=('[^']*')(?:, step_digits=(\d+))?\)",
         flags,
         message,
     )
+    message = re.sub(r"\bstep_prefix=('[^']*')", r"--step-prefix \1", message)
+    return re.sub(r"\bstep_digits=(\d+|None)", r"--step-digits \1", message)
 
 
 def _size(nbytes: float) -> str:

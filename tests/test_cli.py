@@ -402,3 +402,141 @@ def test_counts_are_spelled_right(tmp_path: Path) -> None:
         mgr.save(2, {"s": [2]})
     gc = cairn("gc", str(tmp_path), "--keep-latest", "1")
     assert "1 step deleted, 1 kept: [2]" in gc.stdout, gc.stdout
+
+
+def on_terminal(*args: str) -> tuple[int, str, str]:
+    """Run cairn with its stdout on a pseudo-terminal (as a person at a shell); returns the
+    status, what the terminal showed and stderr."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    proc = subprocess.Popen(
+        [CAIRN, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env=env | {"TERM": "xterm", "COLUMNS": "150"},
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, shown.decode(), err.decode()
+
+
+def test_tables_on_a_terminal_plain_lines_in_a_pipe(tmp_path: Path) -> None:
+    """Issue 20, point 15: show, metrics and verify print the same rich tables as ls on a
+    terminal (box drawing, bold headers); piped, they print the plain lines scripts read."""
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(
+                step, {"state": {"w": np.zeros((2, 3), np.float32)}}, metrics={"acc": step / 4}
+            )
+    bold = "\x1b[1m"
+    for args, cells in [
+        (("ls", str(tmp_path)), ["│    2 │", "acc=0.5"]),
+        (("show", str(tmp_path), "2"), ["│ state ", "│ ['w']    │ <f4[2, 3] "]),
+        (("metrics", str(tmp_path)), ["│    1 │ 0.25 │", "│    2 │  0.5 │"]),
+        (("verify", str(tmp_path)), ["│    1 │ ok     │", "│    2 │ ok     │"]),
+    ]:
+        code, shown, err = on_terminal(*args)
+        assert code == 0 and err == "", (args, err)
+        assert "┏" in shown and bold in shown, (args, shown)
+        for cell in cells:
+            assert cell in shown, (args, cell, shown)
+        piped = cairn(*args)
+        assert piped.returncode == 0 and "\x1b" not in piped.stdout, args
+    assert cairn("metrics", str(tmp_path)).stdout.splitlines() == ["step acc", "1 0.25", "2 0.5"]
+    assert cairn("verify", str(tmp_path)).stdout.splitlines() == [
+        "step 1: ok",
+        "step 2: ok",
+        "2 steps checked, 0 damaged",
+    ]
+    assert "  item 'state': train-state" in cairn("show", str(tmp_path), "2").stdout
+    _, shown, _ = on_terminal("verify", str(tmp_path))
+    assert shown.splitlines()[-1] == "2 steps checked, 0 damaged"
+    (tmp_path / "checkpoint_2" / "state" / "tree.json").write_text("{}")
+    code, shown, _ = on_terminal("verify", str(tmp_path))
+    assert code == 1 and "DAMAGED" in shown and "tree.json" in shown
+    assert shown.splitlines()[-1] == "2 steps checked, 1 damaged"
+
+
+def test_metrics_options_are_honoured_or_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"s": [step]}, metrics={"loss": 1 / step, "accuracy": step / 4})
+    one = cairn("metrics", str(tmp_path), "--metric", "accuracy", "--json")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout) == [{"step": 1, "accuracy": 0.25}, {"step": 2, "accuracy": 0.5}]
+    mode = cairn("metrics", str(tmp_path), "--mode", "max")
+    assert mode.returncode == 2 and mode.stdout == ""
+    assert mode.stderr.splitlines() == [
+        "cairn: error: --mode says which end of the metric --plot marks as best: it needs --plot"
+    ]
+    guess = cairn(
+        "metrics", str(tmp_path), "--metric", "accuracy", "--plot", str(tmp_path / "a.png")
+    )
+    assert guess.returncode == 2 and guess.stdout == "" and not (tmp_path / "a.png").exists()
+    assert "'accuracy' is best with --mode min or --mode max" in guess.stderr
+    odd = cairn("metrics", str(tmp_path), "--plot", str(tmp_path / "a.nope"), "--mode", "max")
+    assert odd.returncode == 2 and "Traceback" not in odd.stderr
+    assert odd.stderr.splitlines()[-1].startswith(f"cairn: error: --plot {tmp_path / 'a.nope'}: ")
+    best = cairn(
+        "metrics", str(tmp_path), "--metric", "accuracy", "--plot", str(tmp_path / "a.png"),
+        "--mode", "max",
+    )  # fmt: skip
+    assert best.returncode == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    for sub in ("show", "metrics", "verify", "gc", "rm", "export"):
+        unknown = cairn(sub, str(tmp_path), "--frobnicate")
+        assert unknown.returncode == 2 and unknown.stderr.startswith(f"usage: cairn {sub} "), sub
+        assert "Traceback" not in unknown.stderr
+
+
+def test_a_closed_pipe_is_a_nonzero_status_and_quiet(tmp_path: Path) -> None:
+    """A reader that is gone (the read end closed before cairn writes a byte, so every write
+    fails, whatever the pipe buffer holds): no traceback, no "Exception ignored" at exit, 141."""
+    import os
+
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"s": [step]}, metrics={"loss": 1.0 / step})
+    for args in (("ls",), ("metrics",), ("verify",), ("show",), ("metrics", "--json")):
+        sub, *rest = args
+        extra = ["2"] if sub == "show" else []
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            done = subprocess.run(
+                [CAIRN, sub, str(tmp_path), *extra, *rest],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            os.close(write)
+        assert done.returncode == 141 and done.stderr == "", (args, done.stderr)
+
+
+def test_orbax_advice_is_one_line(tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path, options=opts) as mgr:
+        mgr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)})))
+    for sub in ("ls", "verify", "metrics"):
+        out = cairn(sub, str(tmp_path))
+        assert out.returncode == 2 and out.stdout == ""
+        (line,) = out.stderr.splitlines()
+        assert "--step-prefix ''" in line and "CheckpointManager" not in line, line
+        assert "step_prefix=" not in line, line
