@@ -75,7 +75,8 @@ def _table(
 
     table = Table(title=None if title is None else Text(_printable(title)))
     for column in columns:
-        table.add_column(column, justify="right" if right.get(column) else "left")
+        justify = "right" if right.get(column) else "left"
+        table.add_column(Text(_printable(column)), justify=justify)  # a metric name: not markup
     for row in rows:
         table.add_row(*(Text(_printable(cell)) for cell in row))
     return table
@@ -361,8 +362,8 @@ def _show(args: argparse.Namespace) -> int:
     if metrics:
         _say("  metrics: " + metrics)
     for name, item in described.items():
-        kind = item.get("kind", item.get("handler"))
-        _say(f"  item {name!r}: {kind}, {_size(item.get('bytes') or 0)}")
+        what = item.get("kind", item.get("handler"))
+        _say(f"  item {name!r}: {what}, {_size(item.get('bytes') or 0)}")
         for leaf in item.get("leaves", []):
             value, size = _leaf_cells(leaf)
             _say(f"    {leaf['path']}: {value}" + (f", {size}" if size else ""))
@@ -378,7 +379,7 @@ def _leaf_cells(leaf: dict[str, Any]) -> tuple[str, str]:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    if args.mode is not None and not args.plot:
+    if args.mode is not None and args.plot is None:
         raise _UsageError(
             "--mode says which end of the metric --plot marks as best: it needs --plot"
         )
@@ -389,7 +390,9 @@ def _metrics(args: argparse.Namespace) -> int:
         if args.metric not in names:
             raise _UsageError(f"{args.directory}: no metric {args.metric!r} (metrics: {names})")
         names = [args.metric]
-    plot = _plot_setup(args, names) if args.plot else None  # refused before anything is printed
+    plot = (
+        _plot_setup(args, names) if args.plot is not None else None
+    )  # refused before anything is printed
     if args.json:
         # The step number is the "step" key: a metric of that name cannot stand in for it.
         _json(
@@ -429,6 +432,10 @@ def _plot_setup(args: argparse.Namespace, names: list[str]) -> tuple[str, str, A
             f"--plot marks the best step: say whether a low or a high {metric!r} is best "
             "with --mode min or --mode max"
         )
+    if not args.plot:
+        raise _UsageError("--plot needs the name of the PNG file to write")
+    if Path(args.plot).is_dir():
+        raise _UsageError(f"--plot {args.plot}: is a directory; give the name of a PNG file")
     parent = Path(args.plot).parent
     if not parent.is_dir():
         raise _UsageError(f"--plot {args.plot}: no such directory {str(parent)!r}")
@@ -456,7 +463,9 @@ def _plot(args: argparse.Namespace, views: list[Any], metric: str, mode: str, pl
         text.set_parse_math(False)
     fig.tight_layout()
     try:
-        fig.savefig(args.plot, dpi=100)
+        # A name without an extension is written as PNG under that name (matplotlib would
+        # otherwise write NAME.png, and "wrote NAME" would name the wrong file).
+        fig.savefig(args.plot, dpi=100, format=None if Path(args.plot).suffix else "png")
     except OSError as e:
         raise _UsageError(f"--plot {args.plot}: {e.strerror or e}") from None
     except ValueError as e:  # an extension matplotlib cannot write ("x.foo")

@@ -540,3 +540,31 @@ def test_orbax_advice_is_one_line(tmp_path: Path) -> None:
         (line,) = out.stderr.splitlines()
         assert "--step-prefix ''" in line and "CheckpointManager" not in line, line
         assert "step_prefix=" not in line, line
+
+
+def test_a_crafted_metric_name_is_text_in_a_terminal_table(tmp_path: Path) -> None:
+    """Metric names are the metrics table's column headers on a terminal: escaped, never markup."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"s": [1]}, metrics={"[bold red]x": 1.0, "\x1b]0;pwned\x07y": 2.0, "step": 3.0})
+    code, shown, err = on_terminal("metrics", str(tmp_path))
+    assert code == 0 and err == "", err
+    assert "[bold red]x" in shown and "\\x1b]0;pwned\\x07y" in shown, shown
+    assert "\x1b]0;" not in shown and "\x07" not in shown
+
+
+def test_plot_writes_the_file_it_names(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"s": [step]}, metrics={"loss": 1 / step})
+    run = str(tmp_path / "run")
+    bare = cairn("metrics", run, "--plot", str(tmp_path / "plot"), "--mode", "min")
+    assert bare.returncode == 0 and bare.stderr == f"wrote {tmp_path / 'plot'}\n", bare.stderr
+    assert (tmp_path / "plot").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "plot.png").exists()
+    for target, message in [
+        (str(tmp_path), "is a directory"),
+        ("", "--plot needs the name of the PNG file to write"),
+    ]:
+        out = cairn("metrics", run, "--plot", target, "--mode", "min")
+        assert out.returncode == 2 and out.stdout == "" and message in out.stderr, out
+    assert not Path(str(tmp_path) + ".png").exists()
