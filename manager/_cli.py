@@ -20,9 +20,9 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,16 +66,19 @@ def _console() -> Any:
 
 
 def _table(
-    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], **right: bool
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    right: Collection[int] = (),
 ) -> Any:
-    """A rich table of `rows` (cells as `Text`, never markup: they come from the directory).
-    The columns named in `right` are right-aligned."""
+    """A rich table of `rows` (headers and cells as `Text`, never markup: they come from the
+    directory, metric names included). The columns at the indices in `right` are right-aligned."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title=None if title is None else Text(_printable(title)))
-    for column in columns:
-        justify = "right" if right.get(column) else "left"
+    for index, column in enumerate(columns):
+        justify: Literal["right", "left"] = "right" if index in right else "left"
         table.add_column(Text(_printable(column)), justify=justify)  # a metric name: not markup
     for row in rows:
         table.add_row(*(Text(_printable(cell)) for cell in row))
@@ -311,7 +314,7 @@ def _ls(args: argparse.Namespace) -> int:
                 kept = ", ".join(row.get("kept_by", [])) or "(gc would delete)"
             line.append(kept)
         cells.append(line)
-    _console().print(_table(args.directory, columns, cells, step=True, size=True))
+    _console().print(_table(args.directory, columns, cells, right=(0, 2)))
     return 0
 
 
@@ -356,7 +359,7 @@ def _show(args: argparse.Namespace) -> int:
         _say(header)
         if metrics:
             _say(f"metrics: {metrics}")
-        console.print(_table(None, ["item", "key path", "value", "size"], rows, size=True))
+        console.print(_table(None, ["item", "key path", "value", "size"], rows, right=(3,)))
         return 0
     _say(header)
     if metrics:
@@ -409,8 +412,8 @@ def _metrics(args: argparse.Namespace) -> int:
         ]
         console = _console()
         if console.is_terminal:
-            right = {n: True for n in names} | {"step": True}
-            console.print(_table(args.directory, ["step", *names], rows, **right))
+            columns = ["step", *names]
+            console.print(_table(args.directory, columns, rows, right=range(len(columns))))
         else:  # plain lines, for scripts: a header, then one line per step
             _say("step " + " ".join(names))
             for row in rows:
@@ -597,7 +600,7 @@ def _verify(args: argparse.Namespace) -> int:
     console = _console()
     if console.is_terminal:
         rows = [[str(step), status, detail] for step, status, detail in findings]
-        console.print(_table(args.directory, ["step", "status", "detail"], rows, step=True))
+        console.print(_table(args.directory, ["step", "status", "detail"], rows, right=(0,)))
         _say(summary)
         return 1 if damaged else 0
     for step, status, detail in findings:  # plain lines (never wrapped), one per finding, for grep

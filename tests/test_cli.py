@@ -545,7 +545,17 @@ def test_orbax_advice_is_one_line(tmp_path: Path) -> None:
 def test_a_crafted_metric_name_is_text_in_a_terminal_table(tmp_path: Path) -> None:
     """Metric names are the metrics table's column headers on a terminal: escaped, never markup."""
     with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, {"s": [1]}, metrics={"[bold red]x": 1.0, "\x1b]0;pwned\x07y": 2.0, "step": 3.0})
+        mgr.save(
+            1,
+            {"s": [1]},
+            metrics={
+                "[bold red]x": 1.0,
+                "\x1b]0;pwned\x07y": 2.0,
+                "step": 3.0,
+                "rows": 4.0,
+                "title": 5.0,
+            },
+        )
     code, shown, err = on_terminal("metrics", str(tmp_path))
     assert code == 0 and err == "", err
     assert "[bold red]x" in shown and "\\x1b]0;pwned\\x07y" in shown, shown
