@@ -8,7 +8,8 @@ processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability:
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
-`read_orbax_metadata`.
+`read_orbax_metadata`. Optional libraries: `optional` (a missing one raises
+MissingDependencyError naming the pip extra).
 """
 
 from cairn.handlers._files import (
@@ -36,6 +37,7 @@ from cairn.handlers._files import (
     writing_process,
 )
 from cairn.handlers._iterators import decode_state, encode_state, has_state_methods
+from cairn.handlers._optional import optional
 from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
@@ -66,6 +68,7 @@ __all__ = [
     "hash_file",
     "lower_thread_priority",
     "open_regular",
+    "optional",
     "orbax_items",
     "parse_json",
     "read_no_follow",

@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cairn.handlers._optional import optional
 from cairn.handlers.errors import CairnError, MissingDependencyError
+from cairn.handlers.io import optional
 from cairn.manager._manager import CheckpointManager
 
 

@@ -58,7 +58,7 @@ from cairn.manager._policies import (
     steps_to_delete,
 )
 from cairn.manager._preemption import PreemptionWatch
-from cairn.manager._storage import Listed, Storage, check_directory, open_storage
+from cairn.manager._storage import Listed, check_directory, open_storage
 from cairn.manager._validate import (
     as_step,
     check_barrier_timeout,
@@ -216,7 +216,7 @@ class CheckpointManager:
         self._superseded: str | None = None  # why saves now raise, once a newer manager took over
         self._handing = threading.Lock()  # a save's hand-off to the commit thread; a takeover
         self._refuse_other_naming()  # every process: none may wait for a primary that refused
-        self._key = _writer_key(self._storage)
+        self._key = self._storage.identity
         if not read_only:
             _take_over(self._key, self)
         self._catalog = Catalog(journal=self._procs.count > 1 and self._procs.primary)
@@ -1220,12 +1220,6 @@ _OPENED: dict[str, int] = {}
 # The writable manager open on each directory in this process: a new one takes over from it.
 _WRITERS: dict[str, weakref.ref[CheckpointManager]] = {}
 _WRITERS_LOCK = threading.Lock()
-
-
-def _writer_key(storage: Storage) -> str:
-    """One key per directory, however it was spelled (links and ``..`` resolved)."""
-    where = storage.directory
-    return os.path.realpath(where) if isinstance(where, Path) else storage.url
 
 
 def _take_over(key: str, manager: CheckpointManager) -> None:

@@ -36,13 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from cairn.handlers import Destination, FileRecord, Source
-from cairn.handlers._optional import optional
 from cairn.handlers.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import check_relative
+from cairn.handlers.io import check_relative, optional
 from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
 from cairn.manager._storage import Listed, Reclaim
 
@@ -376,7 +375,7 @@ class KvStorage:
 
     def __init__(self, url: str, options: StorageOptions) -> None:
         self.store = ObjectStore(url, options)
-        self.url = self.directory = self.store.url
+        self.url = self.directory = self.identity = self.store.url
         # memory:// is one process's memory: other processes cannot see it.
         self.multi_process = not url.startswith("memory://")
         self.lease: Lease | None = None

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._optional import optional
 from cairn.handlers.errors import StepAlreadyExistsError
+from cairn.handlers.io import optional
 from cairn.manager._manager import CheckpointManager
 from cairn.manager._validate import as_step
 

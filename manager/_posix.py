@@ -60,6 +60,7 @@ class PosixStorage:
     def __init__(self, root: Path) -> None:
         self.root = self.directory = root
         self.url = str(root)
+        self.identity = os.path.realpath(root)
         self._lock: _DirectoryLock | None = None
 
     def __repr__(self) -> str:

@@ -36,14 +36,13 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers import SpeechBrainHandler, SpeechBrainRecoverable
-from cairn.handlers._optional import optional
 from cairn.handlers.errors import (
     CorruptCheckpointError,
     MissingDependencyError,
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import decode_state, encode_state, has_state_methods, open_regular
+from cairn.handlers.io import decode_state, encode_state, has_state_methods, open_regular, optional
 from cairn.manager._format import item_name_problem, trash_name
 from cairn.manager._manager import CheckpointManager
 

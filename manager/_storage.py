@@ -80,6 +80,7 @@ class Storage(Protocol):
     """
 
     url: str  # the directory as users name it (a path or a URL), for messages
+    identity: str  # one string per directory, however it was spelled (links, ``..`` resolved)
     multi_process: bool  # whether several processes of one job may write a step together
     # Whether the processes of a job share a step's deletion out (retire_step, remove_files,
     # finish_deletion) instead of the primary's delete_step doing it all.

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from cairn.handlers._optional import optional
+from cairn.handlers.io import optional
 
 WRITE_BLOCKING = "/jax/checkpoint/write/blocking_duration_secs"
 WRITE_TOTAL = "/jax/checkpoint/write/async/total_duration_secs"
