@@ -371,3 +371,88 @@ if __name__ == "__main__":
         plot_train_state(*[Path(a) for a in sys.argv[2:4]])
     else:
         plot(*[Path(a) for a in sys.argv[1:3]])
+
+
+OVERHEAD_PARTS = [
+    ("blocked_s", "save() blocked", "#1f4e79"),
+    ("first_step_extra_s", "first step after save(): extra", "#e07b39"),
+    ("later_steps_extra_s", "later steps while committing: extra", "#f4c27a"),
+    ("between_steps_extra_s", "the loop between steps: extra", "#b5b5b5"),
+]
+
+
+def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
+    """docs/benchmarks_overhead.png: per size (rows) and train step (columns), the training time
+    a save costs, split into its parts (medians, stacked), with the median of the whole loss and
+    its min-max as a whisker; cairn before issue 21 (from `before_json`), cairn now, cairn with
+    zero_copy=True, and Orbax (both from `after_json`'s run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    after = json.loads(Path(after_json).read_text())
+    before = json.loads(Path(before_json).read_text()) if Path(before_json).exists() else None
+    sizes = list(after["sizes"])
+    kinds = ["decoder", "elementwise"]
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.6 * len(sizes) + 0.8), squeeze=False)
+    for row, label in enumerate(sizes):
+        for col, kind in enumerate(kinds):
+            ax = axes[row][col]
+            bars = []
+            if before is not None and label in before["sizes"]:
+                bars.append(("cairn before", before["sizes"][label]["windows"][kind]["cairn"]))
+            for name, text in (
+                ("cairn", "cairn (pool)"),
+                ("cairn-views", "cairn zero_copy"),
+                ("orbax", "Orbax"),
+            ):
+                win = after["sizes"][label]["windows"][kind].get(name)
+                if win is not None:
+                    bars.append((text, win))
+            for i, (_text, win) in enumerate(bars):
+                bottom = 0.0
+                for key, part, colour in OVERHEAD_PARTS:
+                    value = max(0.0, win[key]["median"])
+                    ax.bar(
+                        i,
+                        value,
+                        0.6,
+                        bottom=bottom,
+                        color=colour,
+                        edgecolor="#333333",
+                        linewidth=0.5,
+                        label=part if (row, col, i) == (0, 0, 0) else None,
+                    )
+                    bottom += value
+                lost = win["lost_s"]
+                ax.errorbar(
+                    i + 0.33,
+                    lost["median"],
+                    yerr=[[lost["median"] - lost["min"]], [lost["max"] - lost["median"]]],
+                    fmt="o",
+                    color="black",
+                    markersize=3,
+                    capsize=3,
+                    label="training time lost (median, min-max)"
+                    if (row, col, i) == (0, 0, 0)
+                    else None,
+                )
+                ax.annotate(
+                    fmt_seconds(lost["median"]),
+                    (i, max(bottom, lost["max"])),
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                )
+            ax.set_xticks(range(len(bars)), [t for t, _ in bars], fontsize=8)
+            ax.set_ylabel("seconds per save")
+            ax.set_title(f"{label} state, {kind} train step", fontsize=10)
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+            ax.grid(axis="y", alpha=0.3)
+    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("What one background save costs the training loop (bench/bench_overhead.py)")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

@@ -11,7 +11,10 @@ import abc
 import bisect
 import contextlib
 import contextvars
+import ctypes
 import dataclasses
+import errno
+import fcntl
 import functools
 import json
 import os
@@ -19,6 +22,7 @@ import re
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +42,7 @@ __all__ = [
     "LocalSource",
     "Source",
     "StoredItem",
+    "WriteBudget",
     "as_destination",
     "check_relative",
     "content_hash",
@@ -288,19 +293,59 @@ def writing_as(index: int, count: int) -> Iterator[None]:
 
 
 def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
-    """Lower the calling thread's CPU priority (Linux: each thread has its own nice value).
+    """Lower the calling thread's CPU and I/O priority (Linux: each thread has its own), and
+    give the kernel its Python name, so that ``top -H`` shows which cairn thread uses the CPU.
 
-    cairn's background threads (commit, chunk writers, reclaim) call this when they start, so that
-    on a machine whose cores the training step keeps busy, the step gets the CPU first and the
-    checkpoint takes the rest. A no-op where threads cannot be reprioritised.
+    cairn's background threads (commit, chunk writers, reclaim, staging) call this when they
+    start, so that on a machine whose cores the training step keeps busy, the step gets the CPU
+    first and the checkpoint takes the rest: nice `nice`, and the lowest best-effort I/O level.
+    A no-op where threads cannot be reprioritised.
     """
     if not sys.platform.startswith("linux"):
         return
-    try:
-        tid = threading.get_native_id()
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError:
-        pass
+    set_io_priority(tid, BACKGROUND_IO_LEVEL)
+    # The thread's name in the kernel too (top -H, /proc/<pid>/task/*/comm): 15 bytes at most.
+    name = threading.current_thread().name.encode()[:15]
+    _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
+# ioprio_set(2) / ioprio_get(2): no libc wrapper, so the raw system call (numbers per architecture).
+_IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 274)}
+_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
+BACKGROUND_IO_LEVEL = 7  # the lowest best-effort level: after the trainer's reads and writes
+
+
+_PR_SET_NAME = 15
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def set_io_priority(tid: int, level: int) -> bool:
+    """Put thread `tid` in the best-effort I/O class at `level` (0 first .. 7 last); whether it
+    took. I/O schedulers that weigh priorities (BFQ, CFQ) serve its reads and writes after those
+    of threads at the default level 4; others ignore it."""
+    numbers = _IOPRIO_SYSCALLS.get(os.uname().machine)
+    if numbers is None or not sys.platform.startswith("linux"):
+        return False
+    value = (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | level
+    return int(_libc().syscall(numbers[0], _IOPRIO_WHO_PROCESS, tid, value)) == 0
+
+
+def io_priority(tid: int) -> tuple[int, int] | None:
+    """(class, level) of thread `tid`'s I/O priority, or None where it cannot be read."""
+    numbers = _IOPRIO_SYSCALLS.get(os.uname().machine)
+    if numbers is None or not sys.platform.startswith("linux"):
+        return None
+    value = int(_libc().syscall(numbers[1], _IOPRIO_WHO_PROCESS, tid))
+    if value < 0:
+        return None
+    return value >> _IOPRIO_CLASS_SHIFT, value & ((1 << _IOPRIO_CLASS_SHIFT) - 1)
 
 
 def open_regular(path: Path) -> int:
@@ -379,15 +424,29 @@ class Destination(abc.ABC):
     def describe(self, relpath: str) -> str:
         """Where `relpath` goes, for messages (a path or a URL)."""
 
-    def write_file(self, relpath: str, data: Pieces) -> FileRecord:
-        """Write a whole file (which must not exist yet) and return its record."""
+    #: the commit's write budget (``max_write_bytes_per_s``), if any; set by the manager.
+    budget: WriteBudget | None = None
+
+    def write_file(self, relpath: str, data: Pieces, *, xxh3_128: str | None = None) -> FileRecord:
+        """Write a whole file (which must not exist yet) and return its record.
+
+        `xxh3_128` is the content hash of exactly these bytes when the caller computed it in a
+        pass of its own (the train state hashes each chunk as it computes its crc32c); the
+        destination hashes the bytes itself otherwise. A wrong one makes the step fail its
+        check on restore, never pass it.
+        """
         self._reserve(relpath)
         views = _views(data)
-        digest = xxhash.xxh3_128()
-        for view in views:
-            digest.update(view)
+        size = sum(v.nbytes for v in views)
+        if xxh3_128 is None:
+            digest = xxhash.xxh3_128()
+            for view in views:
+                digest.update(view)
+            xxh3_128 = digest.hexdigest()
+        if self.budget is not None:
+            self.budget.take(size)
         self._put(relpath, views)
-        record = FileRecord(relpath, sum(v.nbytes for v in views), xxh3_128=digest.hexdigest())
+        record = FileRecord(relpath, size, xxh3_128=xxh3_128)
         with self._written_lock:
             self._written[relpath] = record
         return record
@@ -533,7 +592,14 @@ class BufferedFile:
 class LocalDestination(Destination):
     """An item's directory on a local filesystem (created if absent). Files are written with
     ``writev`` straight from the caller's buffers; nothing is fsynced here (the storage makes
-    the whole step durable once, after every item is written)."""
+    the whole step durable once, after every item is written).
+
+    A file whose first buffer starts on a page boundary and spans at least `DIRECT_MIN` bytes
+    (the train state's staged chunks) is written with ``O_DIRECT`` up to its last whole page,
+    from that memory to the disk without a copy through the page cache, and the rest (under a
+    page, plus the other buffers) through the page cache. Where the filesystem refuses
+    ``O_DIRECT`` (tmpfs, some network filesystems) every byte goes through the page cache.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         super().__init__()
@@ -560,6 +626,11 @@ class LocalDestination(Destination):
         fd = self._open(relpath)
         try:
             views = [v for v in pieces if v.nbytes]
+            if views and _direct_candidate(views[0]):
+                done = _write_direct(
+                    fd, views[0][: views[0].nbytes - views[0].nbytes % DIRECT_ALIGN]
+                )
+                views[0] = views[0][done:]
             while views:
                 n = os.writev(fd, views[:1024])
                 while views and n >= views[0].nbytes:
@@ -575,6 +646,84 @@ class LocalDestination(Destination):
         with self._made_lock:
             self._made.add(os.path.dirname(relpath))
         return _TrackedFile(self, relpath)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT wants address, offset and length in multiples of the block size
+DIRECT_MIN = 1 << 20  # smaller files gain nothing from it
+_DIRECT_PIECE = 8 << 20  # one write() call: the unit of a short write
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_NO_DIRECT_DEVICES: set[int] = set()  # filesystems that refused O_DIRECT once
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+
+
+def _direct_candidate(view: memoryview) -> bool:
+    return bool(_O_DIRECT) and view.nbytes >= DIRECT_MIN and _address(view) % DIRECT_ALIGN == 0
+
+
+def _write_direct(fd: int, view: memoryview) -> int:
+    """Write `view` (page aligned, whole pages) at the start of `fd` with ``O_DIRECT``; the bytes
+    written, short of all of them where the filesystem refuses it (then ``O_DIRECT`` is off
+    again and the caller writes the rest through the page cache)."""
+    device = os.fstat(fd).st_dev
+    if device in _NO_DIRECT_DEVICES:
+        return 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        _NO_DIRECT_DEVICES.add(device)
+        return 0
+    done = 0
+    try:
+        while done < view.nbytes:
+            n = os.write(fd, view[done : done + _DIRECT_PIECE])
+            done += n
+            if n % DIRECT_ALIGN:  # a short write off a block boundary: the rest goes buffered
+                break
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _NO_DIRECT_DEVICES.add(device)  # refused at the first write (some filesystems do)
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return done
+
+
+class WriteBudget:
+    """A bound on the bytes a commit writes per second (``max_write_bytes_per_s``), shared by
+    its writer threads: each file waits for its turn, so a commit takes longer and takes the
+    disk and the cores less. Bursts are one file (a chunk of at most ``chunk_bytes``).
+
+    Threads: `take` may be called from any number of threads at once.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if (
+            isinstance(bytes_per_s, bool)
+            or not isinstance(bytes_per_s, (int, float))
+            or not bytes_per_s > 0
+            or bytes_per_s == float("inf")
+        ):
+            raise ValueError(
+                f"max_write_bytes_per_s must be a positive number of bytes, got {bytes_per_s!r}"
+            )
+        self.bytes_per_s = float(bytes_per_s)
+        self._lock = threading.Lock()
+        self._next = 0.0  # when the budget has room again (time.monotonic)
+
+    def take(self, nbytes: int) -> None:
+        """Wait until `nbytes` may be written without exceeding the rate on average."""
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.bytes_per_s
+        if start > now:
+            time.sleep(start - now)
 
 
 class _TrackedFile(ChecksummedFile):

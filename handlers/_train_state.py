@@ -39,6 +39,7 @@ from cairn.handlers._files import (
     writing_process,
 )
 from cairn.handlers._optional import optional
+from cairn.handlers._staging import Lease, Slab, current_staging, round_up
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -156,13 +157,18 @@ class _Leaf:
     pieces: list[tuple[tuple[slice, ...], np.ndarray]]  # (global region, host data)
     sources: list[Any]  # jax arrays whose buffers `pieces` view
     shared: bool  # the same on every process (host data, process-local arrays): primary writes
+    owned: bool  # `pieces` are private to the snapshot (a device-to-host copy, a staged copy)
+    staged: list[tuple[str, int, int]] | None = None  # (chunk key, slab offset, data bytes)
 
 
 class _StateSnapshot:
-    def __init__(self, handler: TrainStateHandler, tree: Any, leaves: list[_Leaf]) -> None:
+    def __init__(
+        self, handler: TrainStateHandler, tree: Any, leaves: list[_Leaf], lease: Lease | None
+    ) -> None:
         self._handler = handler
         self._tree = tree
         self._leaves = leaves
+        self._lease = lease
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)
@@ -170,6 +176,7 @@ class _StateSnapshot:
         primary = writing_process()[0] == 0  # shared files once; every process its own shards
         metadata: list[tuple[str, bytes]] = []  # written by the same pool, first
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
+        staged: list[tuple[str, int, int]] = []
         for leaf in self._leaves:
             base = f"arrays/{leaf.index}"
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
@@ -177,10 +184,20 @@ class _StateSnapshot:
                 metadata.append((f"{base}/zarr.json", json.dumps(meta).encode()))
             if leaf.shared and not primary:
                 continue
+            if leaf.staged is not None:
+                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
+                continue
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     jobs.append((f"{base}/{key}", part, leaf.dtype))
-        records = _write_chunks(dest, jobs, h.max_inflight_bytes, h.threads, metadata)
+        try:
+            slab = self._lease.slab if self._lease is not None else None
+            records = _write_chunks(
+                dest, jobs, h.max_inflight_bytes, h.threads, metadata, slab, staged
+            )
+        finally:
+            if self._lease is not None:  # the next save may stage into it now
+                self._lease.release()
         for leaf in self._leaves:  # a donated buffer may have been overwritten while we read it
             for source in leaf.sources:
                 if source.is_deleted():
@@ -192,6 +209,68 @@ class _StateSnapshot:
         if primary:
             records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
+
+
+_COPY_PIECE = 16 * (1 << 20)  # rows copied per task: both cores copy a large leaf
+_COPY_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_COPY_POOL_LOCK = threading.Lock()
+
+
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _COPY_POOL
+    with _COPY_POOL_LOCK:
+        if _COPY_POOL is None:
+            _COPY_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cairn-copy")
+        return _COPY_POOL
+
+
+def _stage_size(leaves: Sequence[_Leaf]) -> int:
+    """The slab bytes `_stage` lays the leaves' chunk files out in: each chunk (its data and
+    the 4-byte crc32c tail) from a page boundary, so that it can be written with O_DIRECT."""
+    total = 0
+    for leaf in leaves:
+        if leaf.owned:
+            continue
+        size = _size(leaf.chunk) * leaf.dtype.itemsize + 4
+        for region, data in leaf.pieces:
+            total += sum(1 for _ in _chunk_parts(region, data, leaf.chunk)) * round_up(size)
+    return total
+
+
+def _stage(leaves: Sequence[_Leaf], slab: Slab) -> None:
+    """Copy every leaf that does not own its pieces into `slab`, chunk by chunk (cast to the
+    stored dtype, little-endian, edge chunks padded with zeros), on two threads; the leaves then
+    hold their slab offsets and no longer reference the arrays they came from."""
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    at = 0
+    for leaf in leaves:
+        if leaf.owned:
+            continue
+        nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
+        leaf.staged = []
+        for region, data in leaf.pieces:
+            for key, part in _chunk_parts(region, data, leaf.chunk):
+                dst = slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
+                if not leaf.chunk:
+                    copies.append((dst, part.reshape(())))
+                else:
+                    rows = part.shape[0]
+                    step = max(1, _COPY_PIECE // max(1, part[:1].nbytes))
+                    copies.extend(
+                        (dst[r : min(r + step, rows)], part[r : r + step])
+                        for r in range(0, rows, step)
+                    )
+                    if rows < dst.shape[0]:
+                        dst[rows:] = 0  # the padded edge chunk (see _choose_chunk)
+                leaf.staged.append((key, at, nbytes))
+                at += round_up(nbytes + 4)
+        leaf.pieces, leaf.sources, leaf.owned = [], [], True
+    if sum(d.nbytes for d, _ in copies) < _COPY_PIECE:
+        for dst, src in copies:
+            np.copyto(dst, src, casting="unsafe")
+        return
+    for _ in _copy_pool().map(lambda c: np.copyto(c[0], c[1], casting="unsafe"), copies):
+        pass
 
 
 def _zarr_metadata(
@@ -256,10 +335,11 @@ def _divisors(n: int) -> Iterator[int]:
         i += 1
 
 
-def _chunks_of(
+def _chunk_parts(
     region: tuple[slice, ...], data: np.ndarray, chunk: tuple[int, ...]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(chunk key, contiguous data) for each chunk of a piece that starts on a chunk boundary."""
+    """(chunk key, view of its rows of `data`) for each chunk of a piece that starts on a chunk
+    boundary; the last part may have fewer rows than the chunk (see _choose_chunk)."""
     if not chunk:
         yield "0", data.reshape(())
         return
@@ -272,12 +352,19 @@ def _chunks_of(
             (origin[0] + r0) // step,
             *(o // c for o, c in zip(origin[1:], chunk[1:], strict=True)),
         ]
-        part = data[r0 : r0 + step]
-        if part.shape[0] < step:  # the padded edge chunk (see _choose_chunk)
-            padded = np.zeros((step, *part.shape[1:]), part.dtype)
+        yield ".".join(map(str, coords)), data[r0 : r0 + step]
+
+
+def _chunks_of(
+    region: tuple[slice, ...], data: np.ndarray, chunk: tuple[int, ...]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(chunk key, contiguous data) for each chunk of a piece, the edge chunk padded."""
+    for key, part in _chunk_parts(region, data, chunk):
+        if chunk and part.shape[0] < chunk[0]:  # the padded edge chunk (see _choose_chunk)
+            padded = np.zeros((chunk[0], *part.shape[1:]), part.dtype)
             padded[: part.shape[0]] = part
             part = padded
-        yield ".".join(map(str, coords)), part
+        yield key, part
 
 
 def _write_chunks(
@@ -286,6 +373,8 @@ def _write_chunks(
     max_inflight_bytes: int,
     threads: int,
     small: Sequence[tuple[str, bytes]] = (),
+    slab: Slab | None = None,
+    staged: Sequence[tuple[str, int, int]] = (),
 ) -> list[FileRecord]:
     """Write chunk files (data, then its crc32c) on a few threads; hashes and writes release the GIL.
     The `small` files (each leaf's zarr.json) go first, on the same threads: on an object store
@@ -294,8 +383,12 @@ def _write_chunks(
     The crc32c tail is zarr's codec; the record carries the XXH3-128 of the whole file, which is
     what binds the chunk to its place (a CRC over data plus its own CRC is a constant).
 
-    Pieces are written straight from the snapshot's memory (no copy) unless a save_dtype cast is
-    due, which allocates one chunk at a time; `max_inflight_bytes` bounds those casts in flight.
+    `staged` chunks are in `slab` at page-aligned offsets with room for their tail: the crc32c
+    and the content hash are computed together, a megabyte at a time (one pass over memory),
+    the tail is put after the data, and the file goes out in one piece (O_DIRECT on disk).
+    Other pieces (`jobs`) are written straight from the snapshot's memory (no copy) unless a
+    save_dtype cast is due, which allocates one chunk at a time; `max_inflight_bytes` bounds
+    those casts in flight.
     """
     budget = threading.BoundedSemaphore(max(1, max_inflight_bytes // _MiB))
 
@@ -315,14 +408,28 @@ def _write_chunks(
             for _ in range(tickets):
                 budget.release()
 
-    if not jobs and not small:
+    def one_staged(relpath: str, at: int, nbytes: int) -> FileRecord:
+        assert slab is not None
+        file = slab.array[at : at + nbytes + 4]
+        data = memoryview(file[:nbytes])  # type: ignore[arg-type]
+        crc, digest = 0, xxhash.xxh3_128()
+        for lo in range(0, nbytes, _MiB):  # each megabyte hashed while it is in the cache
+            block = data[lo : lo + _MiB]
+            crc = crc32c.crc32c(block, crc)
+            digest.update(block)
+        file[nbytes:] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+        digest.update(memoryview(file[nbytes:]))  # type: ignore[arg-type]
+        return dest.write_file(relpath, memoryview(file), xxh3_128=digest.hexdigest())  # type: ignore[arg-type]
+
+    if not jobs and not small and not staged:
         return []
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=threads, thread_name_prefix="cairn-write", initializer=lower_thread_priority
     ) as pool:
-        first = pool.map(lambda file: dest.write_file(*file), small)  # both queued now
+        first = pool.map(lambda file: dest.write_file(*file), small)  # all queued now
         rest = pool.map(lambda job: one(*job), jobs)
-        return list(first) + list(rest)
+        from_slab = pool.map(lambda job: one_staged(*job), staged)
+        return list(first) + list(rest) + list(from_slab)
 
 
 class TrainStateHandler:
@@ -330,18 +437,26 @@ class TrainStateHandler:
 
     What is copied when (the snapshot, inside ``save()``):
 
-    - ``jax.Array`` leaves are *not* copied on CPU: the snapshot keeps zero-copy host views of the
-      addressable shards with ``replica_id == 0``. While such a view exists, JAX will not donate
-      the buffer (a donating train step gets fresh buffers instead, silently, using more memory
-      until the commit ends), so the checkpoint holds the values at save time. As a second line,
-      the write phase fails the commit if a source array was deleted or donated meanwhile. On
-      GPU/TPU, ``np.asarray`` is the device-to-host copy itself.
-    - ``np.ndarray`` leaves (and other array-likes) are copied, since the caller may change them in
-      place; NumPy and Python scalars and the structure are captured as values.
+    - Inside a manager's ``save()`` whose staging pool has room (every save of a state but the
+      first, unless ``zero_copy=True``): every leaf, ``jax.Array`` shards (those with
+      ``replica_id == 0``) and NumPy arrays alike, is copied chunk by chunk into the pool's
+      page-aligned memory, cast to its stored dtype, on two threads. The snapshot then holds no
+      reference to the arrays: the next train step donates them as usual.
+    - Otherwise, ``jax.Array`` leaves are *not* copied on CPU: the snapshot keeps zero-copy host
+      views of the addressable shards with ``replica_id == 0``. While such a view exists, JAX
+      will not donate the buffer (a donating train step gets fresh buffers instead, silently,
+      using more memory until the commit ends), so the checkpoint holds the values at save time.
+      As a second line, the write phase fails the commit if a source array was deleted or
+      donated meanwhile. On GPU/TPU, ``np.asarray`` is the device-to-host copy itself (and is
+      kept as it is, not staged). ``np.ndarray`` leaves (and other array-likes) are copied, since
+      the caller may change them in place; NumPy and Python scalars and the structure are
+      captured as values.
 
-    Write phase (commit thread): chunk files are written from that memory by `threads` threads,
-    each computing the crc32c as it writes; no copy unless `save_dtype` casts a leaf, which is
-    done chunk by chunk within `max_inflight_bytes`.
+    Write phase (commit thread): chunk files are written by `threads` threads at low CPU and I/O
+    priority. A staged chunk gets its crc32c tail and content hash in one pass and is written
+    with O_DIRECT where the filesystem allows; views are written from the arrays' memory, no
+    copy unless `save_dtype` casts a leaf, which is done chunk by chunk within
+    `max_inflight_bytes`.
 
     Options: `save_dtype` casts the floating leaves selected by `save_dtype_where` (a key-path
     predicate; default all floating leaves; T5X casts only ``params``) when writing; `chunk_bytes`
@@ -400,18 +515,20 @@ class TrainStateHandler:
                         continue
                     view = np.asarray(shard.data)
                     zero_copy |= _shares_buffer(view, shard.data)
-                    pieces.append((_full_index(shard.index, shape), _little_endian(view)))
+                    pieces.append((_full_index(shard.index, shape), view))
                 region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
                 sources = [x] if zero_copy else []  # only views need the donation check
                 shared = bool(x.is_fully_addressable)  # not a global array: every process has it
+                owned = not zero_copy  # a device-to-host copy (GPU, TPU, int4) is ours already
                 kind = "jax"
             else:
-                arr = np.array(x, copy=True)
+                arr = np.asarray(x)  # copied below: staged, or np.array
                 src_dtype = _storable(arr.dtype, path)
                 shape, region_shape = arr.shape, arr.shape
-                pieces = [(tuple(slice(0, n) for n in shape), _little_endian(arr))]
+                pieces = [(tuple(slice(0, n) for n in shape), arr)]
                 sources = []
                 shared = True
+                owned = False  # the caller's own array: copied before save() returns
                 kind = "npscalar" if isinstance(x, np.generic) else "numpy"
             src_dtype = src_dtype.newbyteorder("<") if src_dtype.byteorder == ">" else src_dtype
             dtype = self._stored_dtype(path, src_dtype)
@@ -419,7 +536,7 @@ class TrainStateHandler:
             chunk = _choose_chunk(
                 region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows
             )
-            leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared))
+            leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared, owned))
             node = {
                 "t": "npscalar" if kind == "npscalar" else "array",
                 "kind": kind,
@@ -432,7 +549,21 @@ class TrainStateHandler:
                 node["saved_from"] = dtype_name(src_dtype)
             return node
 
-        return _StateSnapshot(self, encode(obj, leaf, pytrees=True), leaves)
+        tree = encode(obj, leaf, pytrees=True)
+        staging = current_staging()
+        lease = None
+        if staging is not None:  # inside a manager's save(): its pool, if it has room
+            lease = staging[0].lease(staging[1], _stage_size(leaves))
+        if lease is not None:
+            try:
+                _stage(leaves, lease.slab)
+            except BaseException:
+                lease.release()
+                raise
+        for kept in leaves:  # not staged: keep views of jax arrays (see the class docstring)
+            if kept.staged is None:
+                kept.pieces = [(r, _private(d, kept)) for r, d in kept.pieces]
+        return _StateSnapshot(self, tree, leaves, lease)
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
         if self.save_dtype is None or not _is_float(dtype):
@@ -500,8 +631,12 @@ def _storable(dtype: np.dtype, path: KeyPath) -> np.dtype:
     )
 
 
-def _little_endian(arr: np.ndarray) -> np.ndarray:
-    return arr.astype(arr.dtype.newbyteorder("<")) if arr.dtype.byteorder == ">" else arr
+def _private(data: np.ndarray, leaf: _Leaf) -> np.ndarray:
+    """`data` as an unstaged snapshot keeps it: little-endian, and a copy unless it is a jax
+    array's buffer (kept as a view and checked at write time) or already the snapshot's own."""
+    if data.dtype.byteorder == ">":
+        return data.astype(data.dtype.newbyteorder("<"))
+    return data if leaf.owned or leaf.sources else np.array(data, copy=True)
 
 
 def _shares_buffer(view: np.ndarray, device_array: Any) -> bool:

@@ -5,6 +5,8 @@ Writing: `Destination` (what a write phase writes through), `LocalDestination`, 
 `parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError). Names read from
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`.
+Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
+kept across saves), `WriteBudget` (``max_write_bytes_per_s``).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
@@ -22,6 +24,7 @@ from cairn.handlers._files import (
     LocalSource,
     Source,
     StoredItem,
+    WriteBudget,
     as_destination,
     check_relative,
     content_hash,
@@ -42,6 +45,7 @@ from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
 from cairn.handlers._orbax import read_metadata as read_orbax_metadata
+from cairn.handlers._staging import StagingPool, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
@@ -55,7 +59,9 @@ __all__ = [
     "LocalDestination",
     "LocalSource",
     "Source",
+    "StagingPool",
     "StoredItem",
+    "WriteBudget",
     "as_destination",
     "check_relative",
     "content_hash",
@@ -73,6 +79,7 @@ __all__ = [
     "parse_json",
     "read_no_follow",
     "read_orbax_metadata",
+    "staging_for",
     "within",
     "write_file",
     "writing_as",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cairn.handlers import FileRecord, Handler, Snapshot
-from cairn.handlers.io import writing_as
+from cairn.handlers.io import WriteBudget, writing_as
 from cairn.manager._format import ItemEntry, Manifest, StepNames
 from cairn.manager._multihost import SINGLE, Processes
 from cairn.manager._storage import Storage
@@ -34,6 +34,7 @@ class SaveJob:
     metadata: Mapping[str, Any]
     started_at: float
     blocked_s: float
+    budget: WriteBudget | None = None  # max_write_bytes_per_s
 
 
 def commit_step(
@@ -78,6 +79,7 @@ def commit_step(
             with writing_as(procs.index, procs.count):
                 for item, (handler, snapshot) in job.snapshots.items():
                     dest = step.destination(item)
+                    dest.budget = job.budget
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
             if procs.count == 1:  # a writer that lost the directory during the upload stops
                 storage.check_writer()

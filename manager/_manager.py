@@ -31,7 +31,14 @@ from cairn.handlers.errors import (
     SupersededError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import lower_thread_priority, parse_json, writing_as
+from cairn.handlers.io import (
+    StagingPool,
+    WriteBudget,
+    lower_thread_priority,
+    parse_json,
+    staging_for,
+    writing_as,
+)
 from cairn.manager import _commit, _exit, _telemetry
 from cairn.manager._catalog import Catalog, StepRecord, read_record
 from cairn.manager._format import (
@@ -68,6 +75,7 @@ from cairn.manager._validate import (
     check_items,
     check_keep_items,
     check_max_pending,
+    check_max_staging_bytes,
     check_primary_process,
 )
 
@@ -135,8 +143,11 @@ class CheckpointManager:
     once, as CommitError with the original chained, by the next `save`, `wait_until_finished`,
     `check_for_errors` or `close`. A deleted step leaves the directory's listing on the commit
     thread (on POSIX renamed to ``.trash-*``); a second thread ("cairn-reclaim") then frees its
-    space, and `close` waits for it. Background threads run at a lower CPU priority (nice 10), so
-    a training step on busy cores goes first. Every byte goes through the directory's `Storage`
+    space, and `close` waits for it. `save()` copies arrays into the manager's staging pool
+    (`zero_copy=False`), whose memory a "cairn-stage" thread faults in the first time a state of
+    a size is saved; `wait_until_finished` and `close` wait for it, and `close` frees the pool.
+    Background threads run at a lower CPU and I/O priority (nice 10, best-effort level 7), so a
+    training step on busy cores goes first. Every byte goes through the directory's `Storage`
     (POSIX, object store, memory); the manager never asks which one it is.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
@@ -170,6 +181,9 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         tensorboard_dir: str | os.PathLike[str] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        zero_copy: bool = False,
+        max_staging_bytes: int | None = None,
+        max_write_bytes_per_s: float | None = None,
     ) -> None:
         target = check_directory(directory)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
@@ -190,6 +204,11 @@ class CheckpointManager:
         self._read_only = check_flag("read_only", read_only)
         self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
         self._timeout = check_barrier_timeout(barrier_timeout)
+        self._staging = StagingPool(
+            max_bytes=check_max_staging_bytes(max_staging_bytes),
+            zero_copy=check_flag("zero_copy", zero_copy),
+        )
+        self._budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
         try:
             given = None if metadata is None else check_metadata(metadata)
         except TypeError as e:
@@ -400,7 +419,7 @@ class CheckpointManager:
             self.check_for_errors()  # the commit we waited for may have failed
             snapshots = {}
             for name, obj in items.items():
-                with _naming_item(name):
+                with _naming_item(name), staging_for(self._staging, name):
                     snapshots[name] = (handlers[name], handlers[name].snapshot(obj))
         except BaseException:
             self._slots.release()
@@ -418,6 +437,7 @@ class CheckpointManager:
             metadata=metadata,
             started_at=started_at,
             blocked_s=time.monotonic() - entered,
+            budget=self._budget,
         )
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
@@ -679,8 +699,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ waiting and errors
 
     def wait_until_finished(self) -> None:
-        """Block until pending commits and the retention after them are done; raise their error."""
+        """Block until pending commits and the retention after them are done, and the staging
+        memory the next save copies into is ready; raise their error."""
         self._drain()
+        self._staging.wait()
         self.check_for_errors()
 
     def check_for_errors(self) -> None:
@@ -707,6 +729,7 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._telemetry.close()
+            self._staging.close()
             for pool in (self._executor, self._reclaimer):
                 if pool is not None:
                     pool.shutdown(wait=True)

@@ -64,6 +64,14 @@ def check_max_pending(value: Any) -> int:
     return value
 
 
+def check_max_staging_bytes(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"max_staging_bytes must be None or a positive number of bytes, got {value!r}"
+        )
+    return value
+
+
 def check_primary_process(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"primary_process must be a process index (an int >= 0), got {value!r}")

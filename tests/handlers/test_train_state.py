@@ -72,10 +72,87 @@ def test_donating_the_state_right_after_save_keeps_the_checkpoint_exact(
         del newer
 
 
-def test_deleting_a_source_array_mid_write_fails_the_commit(tmp_path: Path, gate: Gate) -> None:
-    """If a source array is deleted while its write is in flight, the step is not committed."""
+def test_with_the_pool_the_next_step_donates_while_the_save_is_in_flight(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """From the second save on, save() copies the state into the manager's staging pool: the
+    donating step right after it really donates (no second copy of the state), and the
+    checkpoint still holds the values at save time."""
+    train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 3 + 1, s), donate_argnums=0)
     handlers = {"gate": InMemoryHandler(on_write=gate)}
     with CheckpointManager(tmp_path, handlers=handlers) as mgr:
+        mgr.save(0, {"state": jax_state(1)})  # the first save keeps views; the pool warms
+        mgr.wait_until_finished()
+        state = jax_state()
+        before = host_copy(state)
+        mgr.save(1, {"gate": 0, "state": state})
+        assert gate.entered.wait(30)  # the commit is held: the save is in flight
+        new_state = train_step(state)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state)), (
+            "JAX declined to donate: something still views the state's buffers"
+        )
+        gate.release.set()
+        mgr.wait_until_finished()
+        assert_close_trees(mgr.restore(1, {"state": None})["state"], before)
+        del new_state
+
+
+def test_zero_copy_keeps_views_and_jax_declines_the_donation(tmp_path: Path, gate: Gate) -> None:
+    """zero_copy=True: no staging memory, and the buffers stay the checkpoint's until it commits."""
+    train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers, zero_copy=True) as mgr:
+        for step in range(2):
+            state = jax_state(step)
+            before = host_copy(state)
+            mgr.save(step, {"gate": 0, "state": state})
+            assert gate.entered.wait(30)
+            gate.entered.clear()
+            new_state = train_step(state)
+            assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))
+            gate.release.set()
+            mgr.wait_until_finished()
+            gate.release.clear()
+            assert_close_trees(mgr.restore(step, {"state": None})["state"], before)
+            del new_state
+        assert mgr._staging.held_bytes() == 0
+
+
+def test_the_pool_is_freed_at_close_and_follows_the_state_size(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        big = {"w": np.ones((1024, 1024), np.float32)}
+        for step in range(3):
+            mgr.save(step, {"state": big})
+            mgr.wait_until_finished()
+        assert 4 << 20 <= mgr._staging.held_bytes() <= 8 << 20
+        small = {"w": np.ones((64, 1024), np.float32)}
+        for step in range(3, 6):
+            mgr.save(step, {"state": small})
+            mgr.wait_until_finished()
+        assert mgr._staging.held_bytes() <= 4 << 20  # the 4 MiB slab went with the big state
+        np.testing.assert_array_equal(mgr.restore(5)["state"]["w"], small["w"])
+    assert mgr._staging.held_bytes() == 0
+
+
+def test_deleting_a_staged_source_after_save_is_harmless(tmp_path: Path) -> None:
+    """With the pool, save() has copied the arrays: deleting them at once changes nothing."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"state": jax_state()})
+        mgr.wait_until_finished()
+        victim = jax_state(1)
+        expected = host_copy(victim)
+        mgr.save(2, {"state": victim})
+        for leaf in jax.tree_util.tree_leaves(victim):
+            leaf.delete()
+        mgr.wait_until_finished()
+        assert_close_trees(mgr.restore(2, {"state": None})["state"], expected)
+
+
+def test_deleting_a_source_array_mid_write_fails_the_commit(tmp_path: Path, gate: Gate) -> None:
+    """Views (zero_copy=True, or the first save): if a source array is deleted while its write
+    is in flight, the step is not committed."""
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers, zero_copy=True) as mgr:
         mgr.save(1, {"state": jax_state()})
         mgr.wait_until_finished()
         victim = jax_state(1)

@@ -1,0 +1,686 @@
+"""What a background save costs the training loop: the breakdown, cairn against Orbax.
+
+For each size (256M and 1G by default; a process per size) on the T5X-like train state of
+bench_train_state.py (172 jax CPU arrays), in one run:
+
+* limits for the same bytes: a memcpy of every leaf into a pre-faulted, page-aligned buffer; one
+  file written from that buffer with ``O_DIRECT`` and fsynced; the same file written through the
+  page cache and fsynced.
+* commit and restore, no training: per round, each system saves (``save()`` blocked, save start to
+  committed) and restores into ``ShapeDtypeStruct`` targets; ratios are paired within a round.
+* memory: per system, in a phase of its own, the RSS beyond the live state after three saves have
+  committed (glibc's free memory returned first): what the system holds between saves.
+* training under a save, on two jitted train steps that donate their state, as T5X's does: the
+  ``decoder`` step of bench_train_state.py (compute-bound: a causal decoder pass and Adam) and an
+  ``elementwise`` step that reads and writes every leaf once (memory-bound, as host work is).
+  Per save: a baseline window with no save, then a window from ``save()`` until the first step
+  that ends after the commit (and, for cairn, the removal of the retired step). Recorded:
+  ``save()`` blocked; the first step's extra time over the baseline median; the extra time of
+  the other steps of the window; the extra time of the loop's own code between steps; the
+  training time lost (window minus steps x the baseline's time per step; the four parts add up
+  to it);
+  the process CPU seconds beyond what the same steps cost in the baseline; the CPU seconds of
+  cairn's own threads (``cairn-*``); minor page faults beyond the baseline's per step; and
+  whether each step's donation happened.
+
+Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy=True``, when
+the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager). Run it
+on another cairn with ``PYTHONPATH`` pointing at a tree whose ``cairn/manager`` and
+``cairn/handlers`` are that version's folders, and ``--label`` to name it (the "before" figures
+in docs/benchmarks.md). Results: bench/results/overhead[-LABEL].json, rich tables, and with
+``--plot`` docs/benchmarks_overhead.png.
+
+    .venv/bin/python bench/bench_overhead.py                 # 256M and 1G, ~12 min here
+    .venv/bin/python bench/bench_overhead.py --quick         # smoke run: 16M
+    .venv/bin/python bench/bench_overhead.py --markdown      # the JSON as Markdown tables
+    .venv/bin/python bench/bench_overhead.py --plot          # redraw the PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_train_state as bts
+import numpy as np
+from _common import (  # sets the environment jax reads at import: before jax
+    REPO,
+    RESULTS,
+    SCRATCH,
+    MiB,
+    RssSampler,
+    check_equal,
+    load_average,
+    machine_facts,
+    now,
+    quiet_logs,
+    spread,
+)
+
+X, D = "\u00d7", "\u2013"  # for the tables
+DEFAULT_PNG = REPO / "docs" / "benchmarks_overhead.png"
+SYSTEMS = ("cairn", "cairn-views", "orbax")
+STEPS = ("decoder", "elementwise")
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def limits(leaves: list[np.ndarray], path: Path) -> dict[str, float]:
+    """memcpy into a pre-faulted buffer; O_DIRECT write + fsync; buffered write + fsync."""
+    total = sum(a.nbytes for a in leaves)
+    size = -(-total // 4096) * 4096
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = np.frombuffer(region, np.uint8)
+    flat[::4096] = 1  # every page faulted in: memcpy is measured, not page faults
+    out: dict[str, float] = {}
+    t0 = now()
+    at = 0
+    for a in leaves:
+        np.copyto(flat[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
+        at += a.nbytes
+    out["memcpy"] = now() - t0
+    view = memoryview(region)
+    for name, flags in (("odirect", os.O_DIRECT), ("write_fsync", 0)):
+        t0 = now()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+        try:
+            done = 0
+            while done < size:
+                done += os.write(fd, view[done : done + (8 << 20)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out[name] = now() - t0
+        path.unlink()
+    del flat, view
+    region.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- the systems
+
+
+class Cairn(bts.CairnRunner):
+    def __init__(self, directory: Path, abstract: Any, *, zero_copy: bool = False) -> None:
+        from cairn.manager import CheckpointManager, KeepLatest
+
+        self.name = "cairn-views" if zero_copy else "cairn"
+        self.abstract = abstract
+        extra = {"zero_copy": True} if zero_copy else {}
+        self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
+
+
+def has_zero_copy() -> bool:
+    import inspect
+
+    from cairn.manager import CheckpointManager
+
+    return "zero_copy" in inspect.signature(CheckpointManager).parameters
+
+
+def make_runner(name: str, directory: Path, abstract: Any) -> Any:
+    if name == "orbax":
+        return bts.OrbaxRunner(directory, abstract)
+    return Cairn(directory, abstract, zero_copy=name == "cairn-views")
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class ThreadCpu:
+    """Samples cairn-* threads' CPU every 5 ms during a window, keeping each thread's last
+    reading, so threads that end inside the window (write pools) are counted too."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._base = self._read()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> dict[str, float]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
+            if comm.startswith(b"cairn"):
+                fields = stat[stat.rindex(b")") + 2 :].split()
+                out[tid] = (int(fields[11]) + int(fields[12])) / _CLK
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self._seen.update(self._read())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self._seen.update(self._read())
+        return sum(v - self._base.get(tid, 0.0) for tid, v in self._seen.items())
+
+
+# ----------------------------------------------------------------------------- train steps
+
+
+def make_elementwise_step() -> Callable[[Any, Any], Any]:
+    """Reads and writes every leaf once (memory-bound), donating the state."""
+    import jax
+    import jax.numpy as jnp
+
+    def update(x: Any) -> Any:
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return x * 0.999 + 1e-3
+        return x + 1
+
+    def step(state: Any, seq: Any) -> Any:
+        del seq
+        return jax.tree.map(update, state), jnp.float32(0)
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def trainer_for(kind: str, label: str, state: list[Any], tokens: int) -> bts.Trainer:
+    trainer = bts.Trainer(label, state, tokens)
+    if kind == "elementwise":
+        trainer.step_fn = make_elementwise_step()
+    return trainer
+
+
+def baseline(trainer: bts.Trainer, seconds: float) -> dict[str, float]:
+    """Per step without a save: the median step time, the mean time between steps (the
+    loop's own Python), CPU seconds and page faults."""
+    c0, f0, t0 = cpu_s(), faults(), now()
+    times, _ = trainer.run_for(seconds)
+    wall = now() - t0
+    steps = len(times)
+    return {
+        "step_s": statistics.median(times),
+        "gap_s": (wall - sum(times)) / steps,
+        "cpu_per_step": (cpu_s() - c0) / steps,
+        "faults_per_step": (faults() - f0) / steps,
+    }
+
+
+def save_window(
+    trainer: bts.Trainer, runner: Any, step: int, base: dict[str, float], n_leaves: int
+) -> dict[str, float]:
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def watch() -> None:
+        try:
+            runner.wait()
+            box["committed_at"] = now()
+            runner.wait_reclaimed()
+        except BaseException as e:
+            box["error"] = e
+        done.set()
+
+    threads = ThreadCpu()
+    c0, f0 = cpu_s(), faults()
+    t0 = now()
+    runner.save(step, trainer.state)
+    blocked = now() - t0
+    watcher = threading.Thread(target=watch, name="bench-watch", daemon=True)
+    watcher.start()
+    times, donated = [], []
+    while True:
+        dt, d = trainer.step()
+        times.append(dt)
+        donated.append(d)
+        if done.is_set():
+            break
+    end = now()
+    watcher.join()
+    cairn_cpu = threads.stop()
+    if "error" in box:
+        raise RuntimeError(f"{runner.name}: the save under training failed") from box["error"]
+    med, gap, n = base["step_s"], base["gap_s"], len(times)
+    return {
+        "blocked_s": blocked,
+        "first_step_extra_s": times[0] - med,
+        "later_steps_extra_s": sum(t - med for t in times[1:]),
+        # the loop's Python between steps, slowed by the saver's threads (the GIL, the cores)
+        "between_steps_extra_s": (end - t0 - blocked - sum(times)) - n * gap,
+        "lost_s": (end - t0) - n * (med + gap),
+        "commit_s": box["committed_at"] - t0,
+        "window_steps": n,
+        "extra_cpu_s": (cpu_s() - c0) - n * base["cpu_per_step"],
+        "cairn_threads_cpu_s": cairn_cpu,
+        "extra_faults": (faults() - f0) - n * base["faults_per_step"],
+        "declined_steps": sum(1 for x in donated if x < n_leaves),
+        "first_step_donated": float(donated[0] == n_leaves),
+    }
+
+
+# ----------------------------------------------------------------------------- one size
+
+
+def clean() -> None:
+    bts.clean_memory()
+
+
+def run_size(
+    label: str,
+    systems: list[str],
+    repeats: int,
+    reps: int,
+    baseline_s: float,
+    tokens: int,
+    log: Any,
+) -> dict[str, Any]:
+    import jax
+
+    quiet_logs()
+    import orbax.checkpoint  # noqa: F401  (import time kept out of the measurements)
+
+    quiet_logs()
+    sampler = RssSampler(0.01)
+    t_start = now()
+    tree = bts.build_state(label)
+    leaves = jax.tree.leaves(tree)
+    info = bts.describe_state(label, leaves)
+    nbytes, n_leaves = info["bytes"], info["leaves"]
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    scratch = SCRATCH / f"overhead-{label}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    log(f"[{label}] {n_leaves} leaves, {nbytes / MiB:.0f} MiB")
+    rounds: dict[str, list[float]] = {}
+
+    def note(key: str, value: float) -> None:
+        rounds.setdefault(key, []).append(value)
+
+    # Memory held between saves, each system alone (its pool, its caches).
+    for name in systems:
+        clean()
+        before = sampler.rss()
+        runner = make_runner(name, scratch / f"mem-{name}", abstract)
+        for step in range(3):
+            runner.save(step, tree)
+            runner.wait()
+            runner.wait_reclaimed()
+        clean()
+        note(f"{name}.mem_held", (sampler.rss() - before) / nbytes)
+        runner.close()
+        del runner
+    # Commit, restore and the limits, rounds rotated.
+    runners = {name: make_runner(name, scratch / name, abstract) for name in systems}
+    views = [np.asarray(x) for x in leaves]
+    order: list[str] = ["limits", *systems]
+    for rnd in range(repeats + 1):
+        k = rnd % len(order)
+        for name in order[k:] + order[:k]:
+            clean()
+            if name == "limits":
+                values = limits(views, scratch / "plain.bin")
+            else:
+                runner = runners[name]
+                t0 = now()
+                runner.save(100 + rnd, tree)
+                t1 = now()
+                runner.wait()
+                t2 = now()
+                runner.wait_reclaimed()
+                restored = jax.block_until_ready(runner.restore(100 + rnd))
+                t3 = now()
+                if rnd == 0:
+                    check_equal(tree, restored, name)
+                del restored
+                # restore: includes the wait for cairn's reclaim thread (Orbax: nothing to wait)
+                values = {"blocked": t1 - t0, "commit": t2 - t0, "restore": t3 - t2}
+            if rnd:
+                for key, value in values.items():
+                    note(f"{name}.{key}" if name != "limits" else f"limit.{key}", value)
+        log(f"[{label}] round {rnd}/{repeats} ({now() - t_start:.0f} s)")
+    for runner in runners.values():
+        runner.close()
+    del views, leaves
+    # Training under a save, each kind of train step.
+    windows: dict[str, dict[str, list[dict[str, float]]]] = {}
+    state = [tree]
+    del tree
+    clean()
+    for kind in STEPS:
+        trainer = trainer_for(kind, label, state, tokens)
+        for _ in range(3):
+            trainer.step()
+        runners = {
+            name: make_runner(name, scratch / f"{kind}-{name}", abstract) for name in systems
+        }
+        step = 1000
+        for name in systems:  # two untimed saves each: compiled, pools faulted in
+            for _ in range(2):
+                trainer.run_for(0.5)
+                save_window(
+                    trainer,
+                    runners[name],
+                    step,
+                    {"step_s": 0, "gap_s": 0, "cpu_per_step": 0, "faults_per_step": 0},
+                    n_leaves,
+                )
+                step += 1
+        windows[kind] = {name: [] for name in systems}
+        for rep in range(reps):
+            k = rep % len(systems)
+            for name in systems[k:] + systems[:k]:
+                base = baseline(trainer, baseline_s)
+                win = save_window(trainer, runners[name], step, base, n_leaves)
+                win["baseline_step_s"] = base["step_s"]
+                windows[kind][name].append(win)
+                step += 1
+            log(f"[{label}] {kind} rep {rep + 1}/{reps} ({now() - t_start:.0f} s)")
+        for runner in runners.values():
+            runner.close()
+        state = [trainer.state]
+        del trainer
+        clean()
+    sampler.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "tree": info,
+        "rounds": {key: spread(values, 6) for key, values in rounds.items()},
+        "paired": paired(rounds, systems, nbytes),
+        "windows": {
+            kind: {
+                name: {key: spread([w[key] for w in rows], 6) for key in rows[0]}
+                for name, rows in per.items()
+            }
+            for kind, per in windows.items()
+        },
+        "load_average_after": load_average(),
+        "wall_s": round(now() - t_start, 1),
+    }
+
+
+def paired(rounds: dict[str, list[float]], systems: list[str], nbytes: int) -> dict[str, Any]:
+    """Same-round ratios."""
+
+    def ratio(num: str, den: str) -> dict[str, Any] | None:
+        if num not in rounds or den not in rounds:
+            return None
+        return spread([a / b for a, b in zip(rounds[num], rounds[den], strict=True)], 4)
+
+    out: dict[str, Any] = {}
+    for name in systems:
+        if name == "orbax":
+            continue
+        out[f"{name}.commit_vs_odirect"] = ratio("limit.odirect", f"{name}.commit")
+        out[f"{name}.commit_vs_write_fsync"] = ratio("limit.write_fsync", f"{name}.commit")
+        out[f"{name}.blocked_vs_memcpy"] = ratio(f"{name}.blocked", "limit.memcpy")
+        out[f"{name}.blocked_vs_orbax"] = ratio(f"{name}.blocked", "orbax.blocked")
+        out[f"{name}.restore_vs_orbax"] = ratio("orbax.restore", f"{name}.restore")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def targets(entry: dict[str, Any], system: str = "cairn") -> list[tuple[str, str, float, bool]]:
+    """(what, measured as text, median ratio, met) for the issue's targets."""
+    rows = []
+    w = entry["windows"]
+    memcpy = entry["rounds"]["limit.memcpy"]["median"]
+    for kind in STEPS:
+        if "orbax" not in w[kind] or system not in w[kind]:
+            continue
+        ours = w[kind][system]["lost_s"]["median"]
+        theirs = w[kind]["orbax"]["lost_s"]["median"]
+        r = ours / theirs if theirs > 0 else float("inf")
+        rows.append(
+            (
+                f"training time lost per save ({kind}) ÷ Orbax's, ≤ 0.25",
+                f"{ours:.3f} s ÷ {theirs:.3f} s = {r:.2f}{X}",
+                r,
+                r <= 0.25,
+            )
+        )
+        first = w[kind][system]["first_step_extra_s"]["median"]
+        r = first / memcpy
+        rows.append(
+            (
+                f"first step after save() ({kind}), extra ÷ memcpy, ≤ 0.2",
+                f"{first * 1e3:.1f} ms ÷ {memcpy * 1e3:.1f} ms = {r:.2f}{X}",
+                r,
+                r <= 0.2,
+            )
+        )
+    p = entry["paired"]
+    for key, what, goal, le in (
+        ("blocked_vs_orbax", "save() blocked ÷ Orbax's, ≤ 1", 1.0, True),
+        ("blocked_vs_memcpy", "save() blocked ÷ memcpy, ≤ 1.5", 1.5, True),
+        ("commit_vs_odirect", "commit throughput ÷ O_DIRECT write, ≥ 0.95", 0.95, False),
+        ("restore_vs_orbax", "restore throughput ÷ Orbax's, ≥ 5", 5.0, False),
+    ):
+        s = p.get(f"{system}.{key}")
+        if s is None:
+            continue
+        r = s["median"]
+        rows.append(
+            (
+                what,
+                f"{r:.2f}{X} ({s['min']:.2f}{D}{s['max']:.2f})",
+                r,
+                r <= goal if le else r >= goal,
+            )
+        )
+    mem = entry["rounds"].get(f"{system}.mem_held")
+    if mem:
+        goal = 0.25 if system == "cairn-views" else 1.0
+        r = mem["median"]
+        rows.append(
+            (f"memory held beyond the state ({system}), ≤ {goal}", f"{r:.2f}{X}", r, r <= goal)
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+WINDOW_ROWS = [
+    ("baseline_step_s", "step time, no save", 1e3, "ms"),
+    ("blocked_s", "save() blocked", 1e3, "ms"),
+    ("first_step_extra_s", "first step after save(): extra", 1e3, "ms"),
+    ("later_steps_extra_s", "later steps of the window: extra, summed", 1e3, "ms"),
+    ("between_steps_extra_s", "the loop between steps: extra, summed", 1e3, "ms"),
+    ("lost_s", "training time lost per save", 1e3, "ms"),
+    ("commit_s", "save start -> committed, under training", 1e3, "ms"),
+    ("extra_cpu_s", "process CPU beyond the baseline's", 1e3, "ms"),
+    ("cairn_threads_cpu_s", "CPU of cairn-* threads", 1e3, "ms"),
+    ("extra_faults", "minor page faults beyond the baseline's", 1, ""),
+    ("declined_steps", "steps whose donation JAX declined", 1, ""),
+]
+ROUND_ROWS = [
+    ("limit.memcpy", "memcpy into a pre-faulted buffer"),
+    ("limit.odirect", "one file, O_DIRECT write + fsync"),
+    ("limit.write_fsync", "one file, buffered write + fsync"),
+    *(
+        (f"{s}.{k}", f"{s}: {w}")
+        for s in SYSTEMS
+        for k, w in (
+            ("blocked", "save() blocked"),
+            ("commit", "save start -> committed"),
+            ("restore", "restore"),
+        )
+    ),
+]
+
+
+def cell(s: dict[str, Any] | None, scale: float = 1e3, unit: str = "ms") -> str:
+    if s is None:
+        return ""
+    if unit == "ms":
+        return f"{s['median'] * scale:.0f} ({s['min'] * scale:.0f}{D}{s['max'] * scale:.0f})"
+    return f"{s['median']:.0f} ({s['min']:.0f}{D}{s['max']:.0f})"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = []
+    for label, entry in result["sizes"].items():
+        systems = [s for s in SYSTEMS if f"{s}.commit" in entry["rounds"]]
+        lines += [
+            f"**{label}** ({entry['tree']['bytes'] / MiB:.0f} MiB, {entry['tree']['leaves']} leaves), median (min{D}max):",
+            "",
+        ]
+        for kind in STEPS:
+            lines.append(f"| {kind} step | " + " | ".join(systems) + " |")
+            lines.append("|---|" + "---:|" * len(systems))
+            for key, what, scale, unit in WINDOW_ROWS:
+                cells = [cell(entry["windows"][kind][s].get(key), scale, unit) for s in systems]
+                lines.append(
+                    f"| {what}{' (ms)' if unit == 'ms' else ''} | " + " | ".join(cells) + " |"
+                )
+            lines.append("")
+        lines.append(f"| no training, n rounds | median (min{D}max), ms |")
+        lines.append("|---|---:|")
+        for key, what in ROUND_ROWS:
+            if key in entry["rounds"]:
+                lines.append(f"| {what} | {cell(entry['rounds'][key])} |")
+        for s in systems:
+            m = entry["rounds"].get(f"{s}.mem_held")
+            if m:
+                lines.append(
+                    f"| {s}: memory held between saves, {X} state | {m['median']:.2f} ({m['min']:.2f}{D}{m['max']:.2f}) |"
+                )
+        lines.append("")
+        lines.append("| target | measured | met |")
+        lines.append("|---|---|---|")
+        for s in ("cairn", "cairn-views"):
+            for what, text, _r, met in targets(entry, s):
+                lines.append(f"| {s}: {what} | {text} | {'yes' if met else '**no**'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console(width=160).print(Markdown(markdown(result)))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="256M,1G")
+    parser.add_argument("--repeats", type=int, default=5, help="commit/restore rounds (default 5)")
+    parser.add_argument(
+        "--reps", type=int, default=5, help="save windows per system and step (default 5)"
+    )
+    parser.add_argument("--baseline-s", type=float, default=2.0)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--label", default="", help="names the result file: overhead-LABEL.json")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16M, 2 rounds, 2 windows")
+    parser.add_argument("--markdown", action="store_true", help="print the JSON as Markdown")
+    parser.add_argument("--plot", action="store_true", help="redraw docs/benchmarks_overhead.png")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    name = "overhead" + (f"-{args.label}" if args.label else "") + ("-quick" if args.quick else "")
+    json_path = args.json or RESULTS / f"{name}.json"
+    if args.markdown:
+        print(markdown(json.loads(json_path.read_text())))
+        return 0
+    if args.plot:
+        import plot
+
+        plot.plot_overhead(RESULTS / "overhead.json", RESULTS / "overhead-before.json", DEFAULT_PNG)
+        print(f"wrote {DEFAULT_PNG}")
+        return 0
+    if args.quick:
+        args.sizes, args.repeats, args.reps, args.baseline_s = "16M", 2, 2, 0.5
+    systems = [s for s in SYSTEMS if s != "cairn-views" or has_zero_copy()]
+    t0 = now()
+
+    def log(msg: str) -> None:
+        print(f"{now() - t0:7.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    if args.worker:
+        entry = run_size(
+            args.worker, systems, args.repeats, args.reps, args.baseline_s, args.tokens, log
+        )
+        json_path.write_text(json.dumps(entry) + "\n")
+        return 0
+    import cairn.manager
+
+    result: dict[str, Any] = {
+        "benchmark": "bench/bench_overhead.py",
+        "label": args.label or "current",
+        "cairn_from": str(Path(cairn.manager.__file__).resolve().parent),
+        "git": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "config": {
+            "repeats": args.repeats,
+            "reps": args.reps,
+            "baseline_s": args.baseline_s,
+            "tokens": args.tokens,
+            "systems": systems,
+        },
+        "machine": machine_facts(),
+        "sizes": {},
+    }
+    log(f"cairn from {result['cairn_from']}; systems {systems}; load {load_average()}")
+    for label in [s.strip().upper() for s in args.sizes.split(",") if s.strip()]:
+        part = RESULTS / f".overhead-{label}.partial.json"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            label,
+            "--repeats",
+            str(args.repeats),
+            "--reps",
+            str(args.reps),
+            "--baseline-s",
+            str(args.baseline_s),
+            "--tokens",
+            str(args.tokens),
+            "--json",
+            str(part),
+        ]
+        subprocess.run(cmd, check=True)
+        result["sizes"][label] = json.loads(part.read_text())
+        part.unlink()
+        log(f"[{label}] done")
+    result["wall_s"] = round(now() - t0, 1)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    print_tables(result)
+    log(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Staging memory: page-aligned, pre-faulted host buffers that snapshots copy arrays into.
+
+Why copy at all: a snapshot that keeps zero-copy views of a ``jax.Array``'s buffers makes JAX
+decline to donate them, so the train step right after ``save()`` allocates and faults in a fresh
+copy of the whole state (about 3 s per GiB of page faults on a VM whose memory the host backs
+lazily, 0.3-1 s elsewhere). A copy into memory that is already faulted in costs a memcpy (about
+0.1 s per GiB here), and the train step donates as usual.
+
+A `StagingPool` belongs to one manager and keeps its buffers (`Slab`s) across saves, one set per
+item name. A slab is an anonymous mapping (page aligned, so chunk files can be written with
+``O_DIRECT``), with transparent huge pages asked for, faulted in once, by a background thread
+(``cairn-stage``), the first time a state of that size is saved; that first save keeps views
+instead. The pool holds at most what is in flight (``max_pending`` states per item, as the
+manager never snapshots more) and at most `max_bytes`, shrinks when the state shrinks, and
+frees everything at `close`.
+
+Threads: `lease` runs on the caller's thread (inside ``save()``); a `Lease` is released by the
+write phase on the commit thread, or when its snapshot is dropped unwritten; the warm-up runs on
+a thread of its own. One lock guards the pool's lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import logging
+import mmap
+import threading
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+
+from cairn.handlers._files import _libc, lower_thread_priority
+
+__all__ = ["Lease", "Slab", "StagingPool", "current_staging", "staging_for"]
+
+log = logging.getLogger("cairn")
+
+PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; 23 on every arch
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+class Slab:
+    """One anonymous mapping of `nbytes` (a multiple of the page size), as a uint8 array."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(PAGE, round_up(nbytes))
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults and misses
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.array = np.frombuffer(self._map, np.uint8)
+
+    def populate(self) -> None:
+        """Fault every page in now: one madvise where the kernel has it, else a write per page.
+
+        Through ctypes, which lets go of the GIL for the call (``mmap.madvise`` keeps it, and
+        faulting in a gigabyte takes 0.2-3 s here, all of which the training loop would wait)."""
+        address = self.array.ctypes.data
+        if _libc().madvise(
+            ctypes.c_void_p(address), ctypes.c_size_t(self.nbytes), _MADV_POPULATE_WRITE
+        ):
+            self.array[::PAGE] = 0  # an older kernel (EINVAL): NumPy lets go of the GIL too
+
+
+class Lease:
+    """A slab lent to one snapshot; `release` (idempotent) gives it back to its pool."""
+
+    def __init__(self, pool: StagingPool, key: str, slab: Slab) -> None:
+        self.slab = slab
+        self._release = weakref.finalize(self, pool._give_back, key, slab)
+
+    def release(self) -> None:
+        self._release()
+
+
+class StagingPool:
+    """A manager's staging buffers, reused across saves (see the module docstring).
+
+    `zero_copy=True` makes every lease refused: snapshots keep views of the arrays' buffers (no
+    copy and no memory beyond the state, but JAX declines to donate those buffers until the commit
+    ends). `max_bytes` bounds the slabs held, in use or free: a save that would need more keeps
+    views, and a warning says so once.
+    """
+
+    def __init__(self, *, max_bytes: int | None = None, zero_copy: bool = False) -> None:
+        self.max_bytes = max_bytes
+        self.zero_copy = zero_copy
+        self._lock = threading.Lock()
+        self._free: dict[str, list[Slab]] = {}
+        self._in_use = 0  # bytes of leased slabs
+        self._warming: dict[str, threading.Thread] = {}
+        self._closed = False
+        self._warned = False
+
+    def __repr__(self) -> str:
+        return f"StagingPool(held={self.held_bytes()}, max_bytes={self.max_bytes})"
+
+    def held_bytes(self) -> int:
+        """Bytes of slabs the pool holds, leased or free."""
+        with self._lock:
+            return self._in_use + self._free_bytes()
+
+    def _free_bytes(self) -> int:
+        return sum(s.nbytes for slabs in self._free.values() for s in slabs)
+
+    def lease(self, key: str, nbytes: int) -> Lease | None:
+        """A faulted-in slab of at least `nbytes` for item `key`, or None: keep views this time.
+
+        None when the pool copies nothing (`zero_copy`), is closed, is still faulting in a slab of
+        that size (the first save of a state), or would exceed `max_bytes`. A free slab more than
+        a quarter larger than needed (the state shrank) is freed and a fitting one warmed instead.
+        """
+        if self.zero_copy or nbytes <= 0:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            free = self._free.get(key, [])
+            for slab in free:
+                if nbytes <= slab.nbytes <= _fits(nbytes):
+                    free.remove(slab)
+                    self._in_use += slab.nbytes
+                    return Lease(self, key, slab)
+            free.clear()  # the wrong size: the state changed
+            if key in self._warming:
+                return None
+            if self.max_bytes is not None:
+                for other in list(self._free):  # make room from other items' spare slabs first
+                    if self._in_use + self._free_bytes() + round_up(nbytes) <= self.max_bytes:
+                        break
+                    self._free[other] = []
+                if self._in_use + self._free_bytes() + round_up(nbytes) > self.max_bytes:
+                    if not self._warned:
+                        self._warned = True
+                        log.warning(
+                            "cairn: item %r needs %d bytes of staging memory, beyond "
+                            "max_staging_bytes=%d with %d in use; this save keeps views of "
+                            "the arrays (JAX will not donate them until the commit ends)",
+                            key,
+                            nbytes,
+                            self.max_bytes,
+                            self._in_use,
+                        )
+                    return None
+            thread = threading.Thread(
+                target=self._warm, args=(key, nbytes), name="cairn-stage", daemon=True
+            )
+            self._warming[key] = thread
+            thread.start()
+            return None
+
+    def _warm(self, key: str, nbytes: int) -> None:
+        lower_thread_priority()
+        try:
+            slab = Slab(nbytes)
+            slab.populate()
+        except (OSError, MemoryError) as e:  # no memory for it: saves keep views
+            log.warning("cairn: could not prepare %d bytes of staging memory: %s", nbytes, e)
+            slab = None
+        with self._lock:
+            del self._warming[key]
+            if slab is not None and not self._closed:
+                self._free.setdefault(key, []).append(slab)
+
+    def _give_back(self, key: str, slab: Slab) -> None:
+        with self._lock:
+            self._in_use -= slab.nbytes
+            if not self._closed:
+                self._free.setdefault(key, []).append(slab)
+
+    def wait(self) -> None:
+        """Until no slab is being faulted in."""
+        while True:
+            with self._lock:
+                thread = next(iter(self._warming.values()), None)
+            if thread is None:
+                return
+            thread.join()
+
+    def close(self) -> None:
+        """Free the free slabs now; leased ones are freed when their snapshots release them."""
+        self.wait()
+        with self._lock:
+            self._closed = True
+            self._free.clear()
+
+
+def _fits(nbytes: int) -> int:
+    """The largest slab reused for `nbytes`: a quarter more, or one huge page."""
+    return max(round_up(nbytes + nbytes // 4), round_up(nbytes, 2 << 20))
+
+
+_STAGING: contextvars.ContextVar[tuple[StagingPool, str] | None] = contextvars.ContextVar(
+    "cairn_staging", default=None
+)
+
+
+def current_staging() -> tuple[StagingPool, str] | None:
+    """The pool and item name a snapshot on this thread stages into, or None (outside a manager:
+    arrays are then kept as views, NumPy arrays copied)."""
+    return _STAGING.get()
+
+
+@contextlib.contextmanager
+def staging_for(pool: StagingPool, item: str) -> Iterator[None]:
+    """Snapshots taken inside stage item `item`'s arrays in `pool` (set by the manager)."""
+    token = _STAGING.set((pool, item))
+    try:
+        yield
+    finally:
+        _STAGING.reset(token)

@@ -1,0 +1,276 @@
+"""The staging pool, O_DIRECT chunk writes, the write budget and the writer threads' priority."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cairn.handlers import LocalDestination, TrainStateHandler
+from cairn.handlers._files import _NO_DIRECT_DEVICES, DIRECT_MIN, io_priority
+from cairn.handlers._staging import PAGE, StagingPool, staging_for
+from cairn.handlers.io import WriteBudget, lower_thread_priority
+
+MiB = 1 << 20
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore(2) over a mapping of it)."""
+    size = path.stat().st_size
+    pages = -(-size // PAGE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        vec = (ctypes.c_ubyte * pages)()
+        buf = np.frombuffer(m, np.uint8)
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.mincore(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(size), vec)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        del buf
+        return sum(v & 1 for v in vec)
+
+
+def aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    region = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)
+    array = np.frombuffer(region, np.uint8)[:nbytes]
+    array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    return region, array
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+def test_first_lease_warms_then_the_same_slab_comes_back() -> None:
+    pool = StagingPool()
+    assert pool.lease("state", 5 * MiB) is None  # being faulted in: keep views this time
+    pool.wait()
+    lease = pool.lease("state", 5 * MiB)
+    assert lease is not None
+    slab = lease.slab
+    assert slab.nbytes >= 5 * MiB and slab.array.ctypes.data % PAGE == 0
+    assert pool.held_bytes() == slab.nbytes
+    assert pool.lease("state", 5 * MiB) is None  # in use: a second one is warmed
+    pool.wait()
+    lease.release()
+    lease.release()  # idempotent
+    again = pool.lease("state", 5 * MiB)
+    assert again is not None and again.slab.nbytes == slab.nbytes
+    assert pool.held_bytes() == 2 * slab.nbytes  # two saves in flight (max_pending=2) need both
+    pool.close()
+    again.release()
+    assert pool.held_bytes() == 0
+    assert pool.lease("state", 5 * MiB) is None  # closed
+
+
+def test_a_dropped_lease_goes_back_to_the_pool() -> None:
+    pool = StagingPool()
+    pool.lease("x", MiB)
+    pool.wait()
+    lease = pool.lease("x", MiB)
+    assert lease is not None
+    slab = lease.slab
+    del lease  # a snapshot dropped before its write phase ran (its save failed)
+    back = pool.lease("x", MiB)
+    assert back is not None and back.slab is slab
+
+
+def test_the_pool_shrinks_with_the_state_and_keeps_items_apart() -> None:
+    pool = StagingPool()
+    for key, size in (("big", 40 * MiB), ("small", MiB)):
+        pool.lease(key, size)
+        pool.wait()
+        pool.lease(key, size).release()  # type: ignore[union-attr]
+    held = pool.held_bytes()
+    assert 41 * MiB <= held <= 41 * MiB + 8 * MiB
+    assert pool.lease("big", 10 * MiB) is None  # far smaller: the 40 MiB slab is freed
+    pool.wait()
+    assert pool.held_bytes() <= 10 * MiB + MiB + 8 * MiB
+    lease = pool.lease("big", 10 * MiB)
+    assert lease is not None and lease.slab.nbytes < 20 * MiB
+
+
+def test_max_bytes_keeps_views_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    pool = StagingPool(max_bytes=4 * MiB)
+    pool.lease("a", 3 * MiB)
+    pool.wait()
+    with caplog.at_level(logging.WARNING, logger="cairn"):
+        assert pool.lease("b", 3 * MiB) is None  # 3 + 3 > 4: b keeps views, a's spare is freed
+    pool.wait()
+    assert pool.held_bytes() <= 4 * MiB
+    assert pool.lease("c", 8 * MiB) is None
+    assert "max_staging_bytes=4194304" in caplog.text
+    assert StagingPool(zero_copy=True).lease("a", MiB) is None
+
+
+# ----------------------------------------------------------------------------- O_DIRECT
+
+
+def test_aligned_chunks_go_to_disk_past_the_page_cache(tmp_path: Path) -> None:
+    """A page-aligned buffer of a megabyte or more is written with O_DIRECT up to its last
+    whole page: the file's pages are not in the page cache afterwards, except the tail's."""
+    region, data = aligned(3 * MiB + 100)
+    tail = b"tail"
+    dest = LocalDestination(tmp_path / "item")
+    record = dest.write_file("direct", [memoryview(data), tail])  # type: ignore[arg-type]
+    path = tmp_path / "item" / "direct"
+    assert path.read_bytes() == data.tobytes() + tail
+    assert record.size == data.nbytes + 4
+    # Reading it back brought it into the cache: write another and look before reading.
+    dest.write_file("direct2", [memoryview(data), tail])  # type: ignore[arg-type]
+    assert resident_pages(tmp_path / "item" / "direct2") <= 2  # the tail's page(s)
+    dest.write_file("buffered", bytes(data))  # not aligned (a bytes object): page cache
+    assert resident_pages(tmp_path / "item" / "buffered") >= (3 * MiB) // PAGE
+    small_region, small = aligned(DIRECT_MIN // 2)
+    dest.write_file("small", memoryview(small))  # type: ignore[arg-type]
+    assert resident_pages(tmp_path / "item" / "small") == DIRECT_MIN // 2 // PAGE
+    del data, small
+    region.close()
+    small_region.close()
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs mount: a real filesystem that refuses O_DIRECT (EINVAL), as some network and
+    in-memory filesystems do. The tests run as root here, as CI does."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "none", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_every_byte_buffered(ramfs: Path) -> None:
+    region, data = aligned(2 * MiB + 8)
+    dest = LocalDestination(ramfs / "item")
+    dest.write_file("chunk", [memoryview(data), b"tail"])  # type: ignore[arg-type]
+    assert (ramfs / "item" / "chunk").read_bytes() == data.tobytes() + b"tail"
+    assert os.stat(ramfs).st_dev in _NO_DIRECT_DEVICES  # asked once, remembered
+    dest.write_file("again", memoryview(data))  # type: ignore[arg-type]
+    assert (ramfs / "item" / "again").read_bytes() == data.tobytes()
+    del data
+    region.close()
+
+
+def test_a_manager_on_that_filesystem_saves_and_restores(ramfs: Path) -> None:
+    from cairn.manager import CheckpointManager
+
+    state = {"w": np.arange(3 * MiB // 4, dtype=np.float32).reshape(-1, 1024)}
+    with CheckpointManager(ramfs / "run") as mgr:
+        for step in range(3):  # the first keeps views, the others copy into the pool
+            mgr.save(step, {"state": {"w": state["w"] + step}})
+            mgr.wait_until_finished()
+        np.testing.assert_array_equal(mgr.restore(2)["state"]["w"], state["w"] + 2)
+        assert mgr.verify(2) == []
+
+
+# ----------------------------------------------------------------------------- write budget
+
+
+def test_the_write_budget_paces_the_commit(tmp_path: Path) -> None:
+    """8 files of 1 MiB at 16 MiB/s cannot finish before 7/16 s (the first goes at once)."""
+    budget = WriteBudget(16 * MiB)
+    dest = LocalDestination(tmp_path)
+    dest.budget = budget
+    data = os.urandom(MiB)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=dest.write_file, args=(f"f{i}", data)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - t0 >= 7 / 16
+    assert all((tmp_path / f"f{i}").read_bytes() == data for i in range(8))
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "1e6", True, None])
+def test_the_write_budget_must_be_a_positive_rate(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_write_bytes_per_s must be a positive number"):
+        WriteBudget(bad)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- priorities
+
+
+def test_background_threads_run_at_low_cpu_and_io_priority_under_their_name() -> None:
+    seen: dict[str, object] = {}
+
+    def body() -> None:
+        lower_thread_priority()
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["io"] = io_priority(tid)
+        seen["comm"] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+
+    t = threading.Thread(target=body, name="cairn-write_3")
+    t.start()
+    t.join()
+    assert seen["nice"] >= 10  # type: ignore[operator]
+    assert seen["io"] == (2, 7)  # best effort, the lowest level
+    assert seen["comm"] == "cairn-write_3"
+
+
+# ----------------------------------------------------------------------------- the handler
+
+
+def test_a_failed_write_phase_gives_its_slab_back(tmp_path: Path) -> None:
+    """The write phase raises (the disk refused a file): the lease goes back all the same."""
+
+    class Refusing(LocalDestination):
+        def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+            if relpath.endswith("/0.0"):
+                raise OSError(28, "No space left on device")
+            super()._put(relpath, pieces)
+
+    pool = StagingPool()
+    state = {"w": np.ones((256, 1024), np.float32)}
+    handler = TrainStateHandler()
+    with staging_for(pool, "state"):
+        handler.snapshot(state)  # warms the pool
+    pool.wait()
+    with staging_for(pool, "state"):
+        snap = handler.snapshot(state)
+    assert pool.lease("state", 1) is None  # the only slab is lent to `snap`
+    with pytest.raises(OSError, match="No space left"):
+        snap.write(Refusing(tmp_path / "item"))
+    assert pool.lease("state", MiB) is not None
+
+
+def test_staged_and_unstaged_snapshots_write_the_same_files(tmp_path: Path) -> None:
+    """Edge chunks padded, a save_dtype cast, big-endian input, scalars, empty and bool leaves:
+    the staged copy writes byte for byte what the unstaged path writes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    state = {
+        "prime": rng.standard_normal((1009, 33)).astype(np.float32),  # 1009 rows: padded edge
+        "big_endian": np.arange(50, dtype=">i4"),
+        "scalar": np.float64(2.5),
+        "empty": np.zeros((0, 7), np.float32),
+        "flags": rng.integers(0, 2, 300).astype(bool),
+        "half": rng.standard_normal(77).astype(ml_dtypes.bfloat16),
+    }
+    handler = TrainStateHandler(chunk_bytes=16 * 1024, save_dtype=np.float16)
+    plain = handler.snapshot(state).write(tmp_path / "plain")
+    pool = StagingPool()
+    with staging_for(pool, "s"):
+        handler.snapshot(state)
+    pool.wait()
+    with staging_for(pool, "s"):
+        snap = handler.snapshot(state)
+    assert pool.lease("s", 1) is None  # the slab is lent: this snapshot is the staged one
+    staged = snap.write(tmp_path / "staged")
+    assert sorted(r.path for r in plain) == sorted(r.path for r in staged)
+    assert {r.path: r.xxh3_128 for r in plain} == {r.path: r.xxh3_128 for r in staged}
+    for r in plain:
+        assert (tmp_path / "plain" / r.path).read_bytes() == (
+            tmp_path / "staged" / r.path
+        ).read_bytes()
