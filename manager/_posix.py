@@ -369,6 +369,7 @@ class _Prepared:
 
 
 _SYNC_THREADS = 8  # fsyncs in flight: the filesystem's journal commits them together
+_SYNC_ALONE = 64  # up to this many files, one thread fsyncs them
 
 
 def fsync_tree(top: Path) -> None:
@@ -387,7 +388,7 @@ def fsync_tree(top: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(top, topdown=False, onerror=_raise):
         files.extend(os.path.join(dirpath, name) for name in filenames)
         dirs.append(dirpath)
-    if len(files) <= 1:
+    if len(files) <= _SYNC_ALONE:  # threads cost more than they save on a small step
         for path in (*files, *dirs):
             _fsync_path(path)
         return
