@@ -109,12 +109,15 @@ class StagingPool:
     def _free_bytes(self) -> int:
         return sum(s.nbytes for slabs in self._free.values() for s in slabs)
 
-    def lease(self, key: str, nbytes: int) -> Lease | None:
+    def lease(self, key: str, nbytes: int, *, now: bool = False) -> Lease | None:
         """A faulted-in slab of at least `nbytes` for item `key`, or None: keep views this time.
 
         None when the pool copies nothing (`zero_copy`), is closed, is still faulting in a slab of
         that size (the first save of a state), or would exceed `max_bytes`. A free slab more than
         a quarter larger than needed (the state shrank) is freed and a fitting one warmed instead.
+        With `now` (a snapshot that copies its arrays anyway: NumPy leaves), a new slab is mapped
+        at once instead of warmed, and the copy into it faults it in, as a copy into fresh arrays
+        would have.
         """
         if self.zero_copy or nbytes <= 0:
             return None
@@ -148,6 +151,10 @@ class StagingPool:
                             self._in_use,
                         )
                     return None
+            if now:
+                slab = Slab(nbytes)
+                self._in_use += slab.nbytes
+                return Lease(self, key, slab)
             thread = threading.Thread(
                 target=self._warm, args=(key, nbytes), name="cairn-stage", daemon=True
             )

@@ -553,7 +553,9 @@ class TrainStateHandler:
         staging = current_staging()
         lease = None
         if staging is not None:  # inside a manager's save(): its pool, if it has room
-            lease = staging[0].lease(staging[1], _stage_size(leaves))
+            # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
+            copies_anyway = not any(kept.sources for kept in leaves)
+            lease = staging[0].lease(staging[1], _stage_size(leaves), now=copies_anyway)
         if lease is not None:
             try:
                 _stage(leaves, lease.slab)

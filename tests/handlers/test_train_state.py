@@ -456,3 +456,31 @@ def test_bad_options_are_refused(make: Any, error: type[Exception], message: str
     """Handler and restore options are checked at construction, naming the option."""
     with pytest.raises(error, match=message):
         make()
+
+
+def test_two_saves_in_flight_each_keep_their_own_values(tmp_path: Path, gate: Gate) -> None:
+    """max_pending=2: the second save finds the pool's slab lent to the first (still held by the
+    gate) and keeps views while a second slab warms; later saves copy into either. Every step
+    restores to what it was at its save, and the pool ends with two slabs."""
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers, max_pending=2) as mgr:
+        mgr.save(0, {"state": jax_state(0)})
+        mgr.wait_until_finished()  # the pool holds one slab now
+        expected = {}
+        for step in (1, 2):
+            state = jax_state(step)
+            expected[step] = host_copy(state)
+            mgr.save(step, {"gate": 0, "state": state} if step == 1 else {"state": state})
+            del state
+        assert gate.entered.wait(30)
+        gate.release.set()
+        mgr.wait_until_finished()
+        for step in (3, 4):
+            state = jax_state(step)
+            expected[step] = host_copy(state)
+            mgr.save(step, {"state": state})
+        mgr.wait_until_finished()
+        for step, want in expected.items():
+            assert_close_trees(mgr.restore(step, {"state": None})["state"], want)
+        one_state = sum(x.nbytes for x in jax.tree_util.tree_leaves(jax_state()))
+        assert mgr._staging.held_bytes() >= 2 * one_state

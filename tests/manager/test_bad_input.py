@@ -176,6 +176,20 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("async flag", {"async_save": "yes"}, TypeError, "async_save must be a bool"),
     ("max_pending", {"max_pending": 0}, ValueError, "max_pending must be a positive int, got 0"),
     ("read_only flag", {"read_only": 1}, TypeError, "read_only must be a bool"),
+    ("zero_copy flag", {"zero_copy": "yes"}, TypeError, "zero_copy must be a bool, got 'yes'"),
+    *(
+        (f"max_staging_bytes={v!r}", {"max_staging_bytes": v}, ValueError, "max_staging_bytes must")
+        for v in (0, -1, 1.5, True, "1G")
+    ),
+    *(
+        (
+            f"max_write_bytes_per_s={v!r}",
+            {"max_write_bytes_per_s": v},
+            ValueError,
+            "max_write_bytes_per_s must be a positive number",
+        )
+        for v in (0, -5, float("nan"), float("inf"), "100M", True)
+    ),
     ("barrier_timeout", {"barrier_timeout": 0}, ValueError, "barrier_timeout must be a positive"),
     ("primary type", {"primary_process": "0"}, ValueError, "primary_process must be a process"),
     ("primary flag", {"primary_process": True}, ValueError, "primary_process must be a process"),

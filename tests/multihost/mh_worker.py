@@ -125,10 +125,10 @@ def count_requests(procs: Any, directory: str) -> None:
     lock = threading.Lock()
     write_file = Destination.write_file
 
-    def counted(self: Any, relpath: str, data: Any) -> Any:
+    def counted(self: Any, relpath: str, data: Any, **kwargs: Any) -> Any:
         with lock:
             files["n"] += 1
-        return write_file(self, relpath, data)
+        return write_file(self, relpath, data, **kwargs)
 
     Destination.write_file = counted  # type: ignore[method-assign]
     mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
