@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak lower-bounds demo bench lint clean
+.PHONY: install test quick soak lower-bounds demo bench bench-overhead lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,10 @@ demo: install
 # bench/bench_save_restore.py is the older NumPy-leaf benchmark.
 bench: install
 	$(BIN)/python bench/bench_train_state.py
+
+# What a background save costs the training loop, cairn against Orbax, on two train steps (~12 min).
+bench-overhead: install
+	$(BIN)/python bench/bench_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

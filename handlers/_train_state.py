@@ -473,7 +473,7 @@ class TrainStateHandler:
         save_dtype_where: KeyPathPredicate | None = None,
         chunk_bytes: int = 64 * _MiB,
         max_inflight_bytes: int = 256 * _MiB,
-        threads: int = 2,
+        threads: int = 4,
     ) -> None:
         self.save_dtype = None if save_dtype is None else np.dtype(save_dtype)
         if save_dtype_where is not None and not callable(save_dtype_where):

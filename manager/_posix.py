@@ -369,7 +369,7 @@ class _Prepared:
 
 
 _SYNC_THREADS = 8  # fsyncs in flight: the filesystem's journal commits them together
-_SYNC_ALONE = 64  # up to this many files, one thread fsyncs them
+_SYNC_ALONE = 64  # up to this many files and directories, one thread fsyncs them
 
 
 def fsync_tree(top: Path) -> None:
@@ -388,12 +388,12 @@ def fsync_tree(top: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(top, topdown=False, onerror=_raise):
         files.extend(os.path.join(dirpath, name) for name in filenames)
         dirs.append(dirpath)
-    if len(files) <= _SYNC_ALONE:  # threads cost more than they save on a small step
+    if len(files) + len(dirs) <= _SYNC_ALONE:  # threads cost more than they save here
         for path in (*files, *dirs):
             _fsync_path(path)
         return
     with concurrent.futures.ThreadPoolExecutor(
-        min(_SYNC_THREADS, len(files)), thread_name_prefix="cairn-sync"
+        _SYNC_THREADS, thread_name_prefix="cairn-sync"
     ) as pool:
         list(pool.map(_fsync_path, files))
         list(pool.map(_fsync_path, dirs))  # after every file: a directory names durable files
