@@ -47,6 +47,7 @@ __all__ = [
     "check_relative",
     "content_hash",
     "fsync_dir",
+    "fsync_path",
     "hash_file",
     "lower_thread_priority",
     "open_regular",
@@ -372,13 +373,18 @@ def read_no_follow(path: Path) -> bytes:
         return f.read()
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (new names, renames) to disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str | os.PathLike[str], *, directory: bool = False) -> None:
+    """Flush a file's data and metadata, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk."""
+    fsync_path(path, directory=True)
 
 
 Pieces = Buffer | Sequence[Buffer]

@@ -212,16 +212,17 @@ class _StateSnapshot:
 
 
 _COPY_PIECE = 16 * (1 << 20)  # rows copied per task: both cores copy a large leaf
-_COPY_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_COPY_POOL_LOCK = threading.Lock()
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _COPY_POOL
-    with _COPY_POOL_LOCK:
-        if _COPY_POOL is None:
-            _COPY_POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cairn-copy")
-        return _COPY_POOL
+def _shared_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of `workers` threads named `name`, made on first use (copies into the
+    staging pool in save(), chunk reads in restore)."""
+    with _POOLS_LOCK:
+        if name not in _POOLS:
+            _POOLS[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        return _POOLS[name]
 
 
 def _stage_size(leaves: Sequence[_Leaf]) -> int:
@@ -269,7 +270,9 @@ def _stage(leaves: Sequence[_Leaf], slab: Slab) -> None:
         for dst, src in copies:
             np.copyto(dst, src, casting="unsafe")
         return
-    for _ in _copy_pool().map(lambda c: np.copyto(c[0], c[1], casting="unsafe"), copies):
+    for _ in _shared_pool("cairn-copy", 2).map(
+        lambda c: np.copyto(c[0], c[1], casting="unsafe"), copies
+    ):
         pass
 
 
@@ -763,16 +766,8 @@ def _size(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=object)) if shape else 1
 
 
-_READ_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_READ_POOL_LOCK = threading.Lock()
-
-
 def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _READ_POOL
-    with _READ_POOL_LOCK:
-        if _READ_POOL is None:
-            _READ_POOL = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cairn-read")
-        return _READ_POOL
+    return _shared_pool("cairn-read", 4)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

@@ -4,7 +4,7 @@ Writing: `Destination` (what a write phase writes through), `LocalDestination`, 
 `ChecksummedFile`, `content_hash`. Reading: `Source`, `LocalSource`, `StoredItem`,
 `parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError). Names read from
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
-processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`.
+processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`, `fsync_path`.
 Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
 kept across saves), `WriteBudget` (``max_write_bytes_per_s``).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
@@ -29,6 +29,7 @@ from cairn.handlers._files import (
     check_relative,
     content_hash,
     fsync_dir,
+    fsync_path,
     hash_file,
     lower_thread_priority,
     open_regular,
@@ -70,6 +71,7 @@ __all__ = [
     "dtype_name",
     "encode_state",
     "fsync_dir",
+    "fsync_path",
     "has_state_methods",
     "hash_file",
     "lower_thread_priority",

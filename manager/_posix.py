@@ -30,7 +30,7 @@ from cairn.handlers.errors import (
     ReadOnlyError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import fsync_dir, read_no_follow, within
+from cairn.handlers.io import fsync_dir, fsync_path, read_no_follow, within
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -346,7 +346,7 @@ class _Prepared:
         keeps other writers out)."""
         write_file(self._tmp, MANIFEST, manifest.to_bytes())
         if self._synced:
-            _fsync_path(os.fspath(self._tmp / MANIFEST))
+            fsync_path(os.fspath(self._tmp / MANIFEST))
             fsync_dir(self._tmp)
         else:
             fsync_tree(self._tmp)
@@ -390,21 +390,13 @@ def fsync_tree(top: Path) -> None:
         dirs.append(dirpath)
     if len(files) + len(dirs) <= _SYNC_ALONE:  # threads cost more than they save here
         for path in (*files, *dirs):
-            _fsync_path(path)
+            fsync_path(path)
         return
     with concurrent.futures.ThreadPoolExecutor(
         _SYNC_THREADS, thread_name_prefix="cairn-sync"
     ) as pool:
-        list(pool.map(_fsync_path, files))
-        list(pool.map(_fsync_path, dirs))  # after every file: a directory names durable files
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        list(pool.map(fsync_path, files))
+        list(pool.map(fsync_path, dirs))  # after every file: a directory names durable files
 
 
 def _raise(error: OSError) -> None:
