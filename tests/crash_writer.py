@@ -33,6 +33,8 @@ def expected_state(step: int) -> dict[str, Any]:
     return {
         "layers": [rng.standard_normal((128, 128)).astype(np.float32) for _ in range(6)],
         "bias": np.full(7, step, np.int64),
+        # 2 MiB in one chunk: staged, then written with O_DIRECT (a chunk of 1 MiB or more)
+        "embedding": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) + step,
         "step": step,
     }
 
