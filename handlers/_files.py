@@ -604,7 +604,7 @@ class LocalDestination(Destination):
     (the train state's staged chunks) is written with ``O_DIRECT`` up to its last whole page,
     from that memory to the disk without a copy through the page cache, and the rest (under a
     page, plus the other buffers) through the page cache. Where the filesystem refuses
-    ``O_DIRECT`` (tmpfs, some network filesystems) every byte goes through the page cache.
+    ``O_DIRECT`` (ramfs, some network filesystems) every byte goes through the page cache.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
