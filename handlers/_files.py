@@ -432,6 +432,10 @@ class Destination(abc.ABC):
 
     #: the commit's write budget (``max_write_bytes_per_s``), if any; set by the manager.
     budget: WriteBudget | None = None
+    #: how many files a handler had best write at once here (TrainStateHandler's default
+    #: `threads`): each write to an object store holds a joined copy of its file until the PUT
+    #: returns, so 2; a local disk written with O_DIRECT waits on the device, so 4 (see it).
+    writers: int = 2
 
     def write_file(self, relpath: str, data: Pieces, *, xxh3_128: str | None = None) -> FileRecord:
         """Write a whole file (which must not exist yet) and return its record.
@@ -606,6 +610,8 @@ class LocalDestination(Destination):
     page, plus the other buffers) through the page cache. Where the filesystem refuses
     ``O_DIRECT`` (ramfs, some network filesystems) every byte goes through the page cache.
     """
+
+    writers = 4  # measured at 1 GiB here: the commit took 0.88 s with 4, 1.02 s with 2
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         super().__init__()

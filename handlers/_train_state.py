@@ -193,7 +193,7 @@ class _StateSnapshot:
         try:
             slab = self._lease.slab if self._lease is not None else None
             records = _write_chunks(
-                dest, jobs, h.max_inflight_bytes, h.threads, metadata, slab, staged
+                dest, jobs, h.max_inflight_bytes, h.threads or dest.writers, metadata, slab, staged
             )
         finally:
             if self._lease is not None:  # the next save may stage into it now
@@ -476,7 +476,7 @@ class TrainStateHandler:
         save_dtype_where: KeyPathPredicate | None = None,
         chunk_bytes: int = 64 * _MiB,
         max_inflight_bytes: int = 256 * _MiB,
-        threads: int = 4,
+        threads: int | None = None,
     ) -> None:
         self.save_dtype = None if save_dtype is None else np.dtype(save_dtype)
         if save_dtype_where is not None and not callable(save_dtype_where):
@@ -487,7 +487,7 @@ class TrainStateHandler:
         for name, value, low in (
             ("chunk_bytes", chunk_bytes, 1),
             ("max_inflight_bytes", max_inflight_bytes, _MiB),
-            ("threads", threads, 1),
+            ("threads", 1 if threads is None else threads, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(
