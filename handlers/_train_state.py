@@ -225,46 +225,47 @@ def _shared_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecut
         return _POOLS[name]
 
 
-def _stage_size(leaves: Sequence[_Leaf]) -> int:
-    """The slab bytes `_stage` lays the leaves' chunk files out in: each chunk (its data and
-    the 4-byte crc32c tail) from a page boundary, so that it can be written with O_DIRECT."""
-    total = 0
-    for leaf in leaves:
-        if leaf.owned:
-            continue
-        size = _size(leaf.chunk) * leaf.dtype.itemsize + 4
-        for region, data in leaf.pieces:
-            total += sum(1 for _ in _chunk_parts(region, data, leaf.chunk)) * round_up(size)
-    return total
+_Placed = tuple[_Leaf, str, np.ndarray, int, int]  # leaf, chunk key, its rows, slab offset, bytes
 
 
-def _stage(leaves: Sequence[_Leaf], slab: Slab) -> None:
-    """Copy every leaf that does not own its pieces into `slab`, chunk by chunk (cast to the
-    stored dtype, little-endian, edge chunks padded with zeros), on two threads; the leaves then
-    hold their slab offsets and no longer reference the arrays they came from."""
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
+def _stage_layout(leaves: Sequence[_Leaf]) -> tuple[list[_Placed], int]:
+    """Where `_stage` puts each chunk of the leaves that do not own their pieces, and the slab
+    bytes that takes: each chunk (its data and the 4-byte crc32c tail) from a page boundary, so
+    that it can be written with O_DIRECT."""
+    placed: list[_Placed] = []
     at = 0
     for leaf in leaves:
         if leaf.owned:
             continue
         nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
-        leaf.staged = []
         for region, data in leaf.pieces:
             for key, part in _chunk_parts(region, data, leaf.chunk):
-                dst = slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
-                if not leaf.chunk:
-                    copies.append((dst, part.reshape(())))
-                else:
-                    rows = part.shape[0]
-                    step = max(1, _COPY_PIECE // max(1, part[:1].nbytes))
-                    copies.extend(
-                        (dst[r : min(r + step, rows)], part[r : r + step])
-                        for r in range(0, rows, step)
-                    )
-                    if rows < dst.shape[0]:
-                        dst[rows:] = 0  # the padded edge chunk (see _choose_chunk)
-                leaf.staged.append((key, at, nbytes))
+                placed.append((leaf, key, part, at, nbytes))
                 at += round_up(nbytes + 4)
+    return placed, at
+
+
+def _stage(placed: Sequence[_Placed], slab: Slab) -> None:
+    """Copy each placed chunk into `slab` (cast to the stored dtype, little-endian, edge chunks
+    padded with zeros), on two threads; the leaves then hold their slab offsets and no longer
+    reference the arrays they came from."""
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    for leaf, key, part, at, nbytes in placed:
+        dst = slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
+        if not leaf.chunk:
+            copies.append((dst, part.reshape(())))
+        else:
+            rows = part.shape[0]
+            step = max(1, _COPY_PIECE // max(1, part[:1].nbytes))
+            copies.extend(
+                (dst[r : min(r + step, rows)], part[r : r + step]) for r in range(0, rows, step)
+            )
+            if rows < dst.shape[0]:
+                dst[rows:] = 0  # the padded edge chunk (see _choose_chunk)
+        if leaf.staged is None:
+            leaf.staged = []
+        leaf.staged.append((key, at, nbytes))
+    for leaf, *_ in placed:
         leaf.pieces, leaf.sources, leaf.owned = [], [], True
     if sum(d.nbytes for d, _ in copies) < _COPY_PIECE:
         for dst, src in copies:
@@ -558,10 +559,11 @@ class TrainStateHandler:
         if staging is not None:  # inside a manager's save(): its pool, if it has room
             # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
             copies_anyway = not any(kept.sources for kept in leaves)
-            lease = staging[0].lease(staging[1], _stage_size(leaves), now=copies_anyway)
+            placed, size = _stage_layout(leaves)
+            lease = staging[0].lease(staging[1], size, now=copies_anyway)
         if lease is not None:
             try:
-                _stage(leaves, lease.slab)
+                _stage(placed, lease.slab)
             except BaseException:
                 lease.release()
                 raise
