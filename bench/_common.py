@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.metadata
+import json
 import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -125,6 +128,21 @@ class Limits:
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- child processes
+
+
+def run_in_child(script: str, label: str, options: dict[str, Any], part: Path) -> dict[str, Any]:
+    """Run `script --worker label --OPTION value ... --json part` (one size in a fresh process,
+    so no allocator state carries over) and return the entry it wrote to `part`."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", label]
+    for name, value in options.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    subprocess.run([*cmd, "--json", str(part)], check=True)
+    entry: dict[str, Any] = json.loads(part.read_text())
+    part.unlink()
+    return entry
 
 
 # ----------------------------------------------------------------------------- memory

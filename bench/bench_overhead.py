@@ -66,6 +66,7 @@ from _common import (  # sets the environment jax reads at import: before jax
     machine_facts,
     now,
     quiet_logs,
+    run_in_child,
     spread,
 )
 
@@ -680,26 +681,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"cairn from {result['cairn_from']}; systems {systems}; load {load_average()}")
     for label in [s.strip().upper() for s in args.sizes.split(",") if s.strip()]:
-        part = RESULTS / f".overhead-{label}.partial.json"
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
+        options = {
+            "repeats": args.repeats,
+            "reps": args.reps,
+            "baseline_s": args.baseline_s,
+            "tokens": args.tokens,
+        }
+        result["sizes"][label] = run_in_child(
+            __file__,
             label,
-            "--repeats",
-            str(args.repeats),
-            "--reps",
-            str(args.reps),
-            "--baseline-s",
-            str(args.baseline_s),
-            "--tokens",
-            str(args.tokens),
-            "--json",
-            str(part),
-        ]
-        subprocess.run(cmd, check=True)
-        result["sizes"][label] = json.loads(part.read_text())
-        part.unlink()
+            options,
+            RESULTS / f".overhead-{label}.partial.json",
+        )
         log(f"[{label}] done")
     result["wall_s"] = round(now() - t0, 1)
     json_path.write_text(json.dumps(result, indent=1) + "\n")

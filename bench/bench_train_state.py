@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -72,6 +71,7 @@ from _common import (
     malloc_trim,
     now,
     quiet_logs,
+    run_in_child,
     scratch_filesystem,
     spread,
     summarize,
@@ -986,26 +986,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_process:
             entry = run_size(label, args.repeats, args.reps, args.baseline_s, args.tokens, log)
         else:
-            part = RESULTS / f".{label}.partial.json"
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--worker",
+            options = {
+                "repeats": args.repeats,
+                "reps": args.reps,
+                "baseline_s": args.baseline_s,
+                "tokens": args.tokens,
+            }
+            entry = run_in_child(
+                __file__,
                 label,
-                "--repeats",
-                str(args.repeats),
-                "--reps",
-                str(args.reps),
-                "--baseline-s",
-                str(args.baseline_s),
-                "--tokens",
-                str(args.tokens),
-                "--json",
-                str(part),
-            ]
-            subprocess.run(cmd, check=True)
-            entry = json.loads(part.read_text())
-            part.unlink()
+                options,
+                RESULTS / f".{label}.partial.json",
+            )
         result["sizes"][label] = entry
         log(f"[{label}] done in {entry['wall_s']:.0f} s")
     shutil.rmtree(SCRATCH, ignore_errors=True)
