@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Gate
 
 from cairn.handlers import LocalDestination, TrainStateHandler
 from cairn.handlers._files import _NO_DIRECT_DEVICES, DIRECT_MIN, io_priority
@@ -274,3 +275,60 @@ def test_staged_and_unstaged_snapshots_write_the_same_files(tmp_path: Path) -> N
         assert (tmp_path / "plain" / r.path).read_bytes() == (
             tmp_path / "staged" / r.path
         ).read_bytes()
+
+
+# ----------------------------------------------------------------------------- through the manager
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_max_write_bytes_per_s_paces_a_managers_commit(tmp_path: Path, where: str) -> None:
+    """The option reaches every destination, a local directory and an object store's prefix:
+    a commit cannot end before its bytes, less the first file, have had their time."""
+    from cairn.manager import CheckpointManager
+
+    directory = tmp_path / "run" if where == "disk" else f"memory://pace-{os.getpid()}"
+    rate = 8 * MiB
+    state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(4)}  # 4 files of 1 MiB
+    with CheckpointManager(directory, max_write_bytes_per_s=rate) as mgr:
+        t0 = time.monotonic()
+        mgr.save(1, {"state": state})
+        mgr.wait_until_finished()
+        elapsed = time.monotonic() - t0
+        written = mgr.info(1).bytes
+        np.testing.assert_array_equal(mgr.restore(1)["state"]["w3"], state["w3"])
+    assert written > 4 * MiB
+    assert elapsed >= (written - MiB - 4096) / rate
+
+
+def test_max_staging_bytes_keeps_views_past_the_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, gate: Gate
+) -> None:
+    """A state larger than max_staging_bytes is never copied: with the commit held, the donation
+    after save() is declined (views), a warning names the option once, and each step is right."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn.handlers import InMemoryHandler
+    from cairn.manager import CheckpointManager
+
+    step_fn = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with (
+        caplog.at_level(logging.WARNING, logger="cairn"),
+        CheckpointManager(tmp_path / "run", handlers=handlers, max_staging_bytes=64 * 1024) as mgr,
+    ):
+        for step in range(3):
+            state = {"w": jnp.full((256, 1024), float(step))}  # 1 MiB, over the bound
+            mgr.save(step, {"gate": 0, "state": state})
+            assert gate.entered.wait(30)  # the commit is held: the save is in flight
+            gate.entered.clear()
+            new = step_fn(state)
+            assert not state["w"].is_deleted()  # views: JAX declined the donation
+            gate.release.set()
+            mgr.wait_until_finished()
+            gate.release.clear()
+            restored = mgr.restore(step, {"state": None})["state"]["w"]
+            np.testing.assert_array_equal(restored, np.full((256, 1024), step))
+            del new
+        assert mgr._staging.held_bytes() == 0
+    assert caplog.text.count("max_staging_bytes=65536") == 1
