@@ -349,7 +349,7 @@ def io_priority(tid: int) -> tuple[int, int] | None:
     return value >> _IOPRIO_CLASS_SHIFT, value & ((1 << _IOPRIO_CLASS_SHIFT) - 1)
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: str | os.PathLike[str]) -> int:
     """A read-only descriptor of a regular file, opened without following a link and without
     blocking (a FIFO would hang a reader); OSError (ELOOP for a link) or CorruptCheckpointError
     (anything that is not a regular file) otherwise. The caller closes it."""
@@ -802,6 +802,7 @@ class LocalSource(Source):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
+        self._root = str(self.directory)
         self._real_dirs: set[str] = set()  # relative directories known not to be links
 
     def describe(self, relpath: str) -> str:
@@ -810,13 +811,15 @@ class LocalSource(Source):
     def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
         return self.directory
 
-    def size(self, relpath: str) -> int:
+    def _check_dirs(self, relpath: str) -> str:
+        """The file's path, after checking that no directory on its way is a link (each
+        directory once per source); FileNotFoundError where one is a file."""
         parts = relpath.split("/")
         for depth in range(len(parts)):
             rel = "/".join(parts[:depth])
             if rel in self._real_dirs:
                 continue
-            path = self.directory / rel if rel else self.directory
+            path = os.path.join(self._root, rel) if rel else self._root
             try:
                 is_link = stat.S_ISLNK(os.lstat(path).st_mode)
             except NotADirectoryError:
@@ -827,8 +830,12 @@ class LocalSource(Source):
                     "directory"
                 )
             self._real_dirs.add(rel)
+        return os.path.join(self._root, relpath)
+
+    def size(self, relpath: str) -> int:
+        path = self._check_dirs(relpath)
         try:
-            info = os.lstat(self.directory / relpath)
+            info = os.lstat(path)
         except NotADirectoryError:  # a directory on the way is a file (or a FIFO)
             raise CorruptCheckpointError(
                 f"{self.describe(relpath)}: a directory on its way is not a directory"
@@ -846,13 +853,29 @@ class LocalSource(Source):
         return info.st_size
 
     def open(self, relpath: str, size: int) -> int:
-        """A read-only descriptor of the file, checked to be a regular file of `size` bytes."""
-        found = self.size(relpath)
+        """A read-only descriptor of the file, checked on the descriptor (what is checked is
+        what is read) to be a regular file of `size` bytes."""
+        path = self._check_dirs(relpath)
+        try:
+            fd = open_regular(path)
+        except NotADirectoryError:
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)}: a directory on its way is not a directory"
+            ) from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} is a symbolic link; cairn reads a checkpoint only "
+                "from inside its directory"
+            ) from None
+        found = os.fstat(fd).st_size
         if found != size:
+            os.close(fd)
             raise CorruptCheckpointError(
                 f"{self.describe(relpath)} has {found} bytes, the manifest says {size}"
             )
-        return open_regular(self.directory / relpath)
+        return fd
 
     def read(self, relpath: str, size: int) -> bytes:
         with os.fdopen(self.open(relpath, size), "rb") as f:
@@ -892,6 +915,9 @@ class StoredItem:
     files: Mapping[str, FileRecord]
     step: int | None = None
     name: str = ""
+    _checked: list[bool] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, Source):
@@ -938,7 +964,7 @@ class StoredItem:
         from inside its own directory only. A no-op where sizes cost a request each (object
         stores): there every read checks size and content anyway.
         """
-        if not self.source.cheap_size:
+        if not self.source.cheap_size or self._checked:
             return
         names = self._sorted_names
         for relpath in names[bisect.bisect_left(names, prefix) :]:
@@ -951,6 +977,8 @@ class StoredItem:
                 raise CorruptCheckpointError(
                     f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
                 )
+        if not prefix:
+            self._checked.append(True)  # a leaf's check after the item's is not done again
 
     @functools.cached_property
     def _sorted_names(self) -> list[str]:

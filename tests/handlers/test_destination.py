@@ -91,3 +91,41 @@ def test_reads_never_take_more_than_the_manifest_says(tmp_path: Path) -> None:
         stored.read_bytes("f")
     with pytest.raises(CorruptCheckpointError, match="not in the manifest"):
         stored.read_bytes("g")
+
+
+def test_what_is_read_is_checked_on_its_descriptor(tmp_path: Path) -> None:
+    """`check_files` of the whole item is done once (a leaf's check of its part is then not
+    repeated), but every read checks the file it opened: swapped after the check for a link, a
+    FIFO, a longer file, or a directory made a file, it fails naming the file and reads nothing."""
+    item = tmp_path / "item"
+    dest = LocalDestination(item)
+    records = {p: dest.write_file(p, b"0123456789") for p in ("a/f", "a/g", "b/h")}
+    stored = StoredItem(LocalSource(item), records, 3, "x")
+    stored.check_files()
+    (item / "a" / "g").unlink()
+    stored.check_files("a/")  # done already, for the whole item
+    assert stored.read_bytes("a/f") == b"0123456789"
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"9876543210")
+    buffers = [memoryview(bytearray(10))]
+    for swap, message in (
+        (lambda p: p.symlink_to(outside), "a/f is a symbolic link"),
+        (lambda p: os.mkfifo(p), "a/f is not a regular file"),
+        (lambda p: p.write_bytes(b"0123456789!"), "a/f has 11 bytes, the manifest says 10"),
+    ):
+        (item / "a" / "f").unlink()
+        swap(item / "a" / "f")
+        for read in (lambda: stored.read_bytes("a/f"), lambda: stored.read_into("a/f", buffers)):
+            with pytest.raises(CorruptCheckpointError, match=rf"step 3, item 'x'.*{message}"):
+                read()
+        assert bytes(buffers[0]) == bytes(10)
+    for p in (item / "b" / "h", item / "b"):
+        (p.unlink if p.is_file() else p.rmdir)()
+    (item / "b").write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match=r"b/h: a directory on its way is not a"):
+        stored.read_bytes("b/h")
+    (item / "a" / "f").unlink()
+    (item / "a" / "f").write_bytes(b"0123456789")
+    fresh = StoredItem(LocalSource(item), records, 3, "x")
+    with pytest.raises(CorruptCheckpointError, match=r"a/g is missing"):
+        fresh.check_files("a/")  # a new item's leaf check does check
