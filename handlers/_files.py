@@ -17,13 +17,14 @@ import errno
 import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeGuard
@@ -60,6 +61,8 @@ __all__ = [
 ]
 
 
+log = logging.getLogger("cairn")
+
 CONTENT_HASH = "xxh3_128"
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 
@@ -87,12 +90,15 @@ class FileRecord:
     format-2 manifest carries (`ChecksummedFile` and `write_file` compute it while writing).
     `crc32c` is what format-1 manifests recorded: a CRC-32C of the whole file. A handler that
     returns a record without a hash gets one computed by the manager, which then reads the file.
+    `reused` says the file was not written by this save: the previous step had the same content,
+    and the file is a hard link to that step's (see `Destination.reuse`); readers need not care.
     """
 
     path: str
     size: int
     crc32c: int | None = None
     xxh3_128: str | None = dataclasses.field(default=None, kw_only=True)
+    reused: bool = dataclasses.field(default=False, kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "size": self.size}
@@ -100,6 +106,8 @@ class FileRecord:
             out["crc32c"] = self.crc32c
         if self.xxh3_128 is not None:
             out[CONTENT_HASH] = self.xxh3_128
+        if self.reused:
+            out["reused"] = True
         return out
 
     @classmethod
@@ -121,8 +129,11 @@ class FileRecord:
             )
         if crc is None and digest is None:
             raise ValueError(f"file record {path!r} has no checksum")
+        reused = obj.get("reused", False)
+        if not isinstance(reused, bool):
+            raise ValueError(f"file record {path!r}: reused {reused!r:.40} is not true or false")
         check_relative(path)  # a crafted manifest must not make restore read outside the step
-        return cls(path, size, crc, xxh3_128=digest)
+        return cls(path, size, crc, xxh3_128=digest, reused=reused)
 
     def check(self, data: bytes | bytearray | memoryview, where: str) -> None:
         """CorruptCheckpointError (naming `where`) unless `data` is this file's content."""
@@ -417,6 +428,30 @@ class Destination(abc.ABC):
     def __init__(self) -> None:
         self._written: dict[str, FileRecord] = {}
         self._written_lock = threading.Lock()
+        self._reusable: dict[tuple[int, str], str] = {}
+        self._reuse_source: Source | None = None
+
+    def reuse(self, source: Source, records: Iterable[FileRecord]) -> None:
+        """Let `write_file` reuse the files of the previous step's item (`source`, `records`:
+        its manifest's): a file whose size and content hash are those of one of them is not
+        written but linked to it (where the destination can: `LocalDestination` makes a hard
+        link), and its record says ``reused``. What is compared is the hash of the bytes handed
+        to `write_file`, never a timestamp; the previous file must still be a regular file of
+        its recorded size, inside its step, or the bytes are written as usual."""
+        self._reusable = {(r.size, r.xxh3_128): r.path for r in records if r.xxh3_128}
+        self._reuse_source = source
+
+    def _link(
+        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+    ) -> bool:
+        """Make `relpath` the previous step's file `source_relpath` (`size` bytes, content hash
+        `digest`) without writing it; False where that cannot be done (then the caller writes).
+        Object stores cannot yet (a server-side copy is the way there)."""
+        return False
+
+    def _wrote(self, relpath: str, size: int, digest: str) -> None:
+        """`write_file` wrote `relpath` with this content (a hook for `LocalDestination`)."""
+        return None
 
     @abc.abstractmethod
     def _put(self, relpath: str, pieces: list[memoryview]) -> None:
@@ -453,10 +488,20 @@ class Destination(abc.ABC):
             for view in views:
                 digest.update(view)
             xxh3_128 = digest.hexdigest()
-        if self.budget is not None:
-            self.budget.take(size)
-        self._put(relpath, views)
-        record = FileRecord(relpath, size, xxh3_128=xxh3_128)
+        source_relpath = self._reusable.get((size, xxh3_128))
+        reused = source_relpath is not None and self._link(
+            relpath,
+            self._reuse_source,  # type: ignore[arg-type]
+            source_relpath,
+            size,
+            xxh3_128,
+        )
+        if not reused:
+            if self.budget is not None:
+                self.budget.take(size)
+            self._put(relpath, views)
+            self._wrote(relpath, size, xxh3_128)
+        record = FileRecord(relpath, size, xxh3_128=xxh3_128, reused=reused)
         with self._written_lock:
             self._written[relpath] = record
         return record
@@ -516,7 +561,9 @@ class Destination(abc.ABC):
                     f"handler {handler_id!r} gives {record.path!r} a {CONTENT_HASH} that is not "
                     "the one of the bytes it wrote"
                 )
-            out.append(dataclasses.replace(record, xxh3_128=written.xxh3_128))
+            out.append(
+                dataclasses.replace(record, xxh3_128=written.xxh3_128, reused=written.reused)
+            )
         return tuple(out)
 
     def _adopt(self, handler_id: str, record: FileRecord) -> FileRecord:
@@ -626,13 +673,70 @@ class LocalDestination(Destination):
     def describe(self, relpath: str) -> str:
         return str(self.directory / relpath)
 
-    def _open(self, relpath: str) -> int:
+    def _parent(self, relpath: str) -> None:
         parent = os.path.dirname(relpath)
         with self._made_lock:
             if parent not in self._made:
                 os.makedirs(self.directory / parent, exist_ok=True)
                 self._made.add(parent)
+
+    def _open(self, relpath: str) -> int:
+        self._parent(relpath)
         return os.open(self.directory / relpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def _link(
+        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+    ) -> bool:
+        """A hard link to the previous step's file, if it is a regular file of `size` bytes,
+        inside its step (no link on the way, `LocalSource.open`), whose content is `digest`.
+
+        The content is trusted without reading it only for a file this process wrote (or read
+        and hashed) before, unchanged since (same device, inode, size and mtime: `_KNOWN`);
+        any other file is read and hashed once first, so a damaged file of an older step is
+        written afresh rather than passed on to every later step. The link is made by name,
+        then checked to be the very file that was checked (same inode, not a link): a file
+        swapped in between is unlinked again. False, and nothing left, where any of it fails:
+        another filesystem, too many links (ext4 allows 65,000), a previous step gone or
+        damaged; the caller then writes the bytes."""
+        if not isinstance(source, LocalSource):
+            return False
+        try:
+            fd = source.open(source_relpath, size)
+        except (OSError, CorruptCheckpointError):
+            return False
+        try:
+            checked = os.fstat(fd)
+            key = (checked.st_dev, checked.st_ino)
+            if _KNOWN.get(key) != (checked.st_mtime_ns, size, digest):
+                if _hash_fd(fd) != digest:
+                    log.warning(
+                        "cairn: %s does not hold what its manifest records; this save writes "
+                        "the file instead of linking it",
+                        source.describe(source_relpath),
+                    )
+                    return False
+                _know(key, (checked.st_mtime_ns, size, digest))
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        target = self.directory / relpath
+        self._parent(relpath)
+        try:
+            os.link(source.directory / source_relpath, target, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError:
+            return False
+        made = os.lstat(target)
+        if not stat.S_ISREG(made.st_mode) or (made.st_dev, made.st_ino) != key:
+            os.unlink(target)
+            return False
+        return True
+
+    def _wrote(self, relpath: str, size: int, digest: str) -> None:
+        info = os.lstat(self.directory / relpath)
+        _know((info.st_dev, info.st_ino), (info.st_mtime_ns, size, digest))
 
     def _put(self, relpath: str, pieces: list[memoryview]) -> None:
         fd = self._open(relpath)
@@ -665,6 +769,26 @@ DIRECT_MIN = 1 << 20  # smaller files gain nothing from it
 _DIRECT_PIECE = 8 << 20  # one write() call: the unit of a short write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_DIRECT_DEVICES: set[int] = set()  # filesystems that refused O_DIRECT once
+# Files whose content this process knows (it wrote or hashed them): (device, inode) ->
+# (mtime_ns, size, content hash). An incremental save links such a file without reading it.
+_KNOWN: dict[tuple[int, int], tuple[int, int, str]] = {}
+_KNOWN_LOCK = threading.Lock()
+_KNOWN_MAX = 1 << 20
+
+
+def _know(key: tuple[int, int], value: tuple[int, int, str]) -> None:
+    with _KNOWN_LOCK:
+        if len(_KNOWN) >= _KNOWN_MAX:
+            _KNOWN.clear()
+        _KNOWN[key] = value
+
+
+def _hash_fd(fd: int) -> str:
+    digest, at = xxhash.xxh3_128(), 0
+    while piece := os.pread(fd, 4 << 20, at):
+        digest.update(piece)
+        at += len(piece)
+    return digest.hexdigest()
 
 
 def _address(view: memoryview) -> int:

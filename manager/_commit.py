@@ -35,6 +35,8 @@ class SaveJob:
     started_at: float
     blocked_s: float
     budget: WriteBudget | None = None  # max_write_bytes_per_s
+    #: the newest committed step (name, manifest) whose files this one may reuse (incremental)
+    previous: tuple[str, Manifest] | None = None
 
 
 def commit_step(
@@ -80,6 +82,11 @@ def commit_step(
                 for item, (handler, snapshot) in job.snapshots.items():
                     dest = step.destination(item)
                     dest.budget = job.budget
+                    if job.previous is not None:  # incremental: unchanged files are linked
+                        prev_name, prev = job.previous
+                        entry = prev.items.get(item)
+                        if entry is not None and entry.handler == handler.id and not entry.dropped:
+                            dest.reuse(storage.source(prev_name, item), entry.files)
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
             if procs.count == 1:  # a writer that lost the directory during the upload stops
                 storage.check_writer()
@@ -164,6 +171,7 @@ def build_manifest(
         for name, (handler, _) in job.snapshots.items()
     }
     size = sum(entry.bytes for entry in items.values())
+    written = sum(f.size for entry in items.values() for f in entry.files if not f.reused)
     return Manifest(
         step=job.step,
         items=items,
@@ -171,5 +179,10 @@ def build_manifest(
         committed_at=time.time(),
         metrics=dict(job.metrics),
         metadata=dict(job.metadata),
-        telemetry={"blocked_s": job.blocked_s, "write_s": write_s, "bytes": float(size)},
+        telemetry={
+            "blocked_s": job.blocked_s,
+            "write_s": write_s,
+            "bytes": float(size),
+            "bytes_written": float(written),
+        },
     )

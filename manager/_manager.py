@@ -184,6 +184,7 @@ class CheckpointManager:
         zero_copy: bool = False,
         max_staging_bytes: int | None = None,
         max_write_bytes_per_s: float | None = None,
+        incremental: bool = False,
     ) -> None:
         target = check_directory(directory)
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
@@ -209,6 +210,7 @@ class CheckpointManager:
             zero_copy=check_flag("zero_copy", zero_copy),
         )
         self._budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
+        self._incremental = check_flag("incremental", incremental)
         try:
             given = None if metadata is None else check_metadata(metadata)
         except TypeError as e:
@@ -489,6 +491,8 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
+        if self._incremental:
+            job.previous = self._newest_intact_before(job.step)
         try:
             try:
                 manifest = _commit.commit_step(
@@ -545,6 +549,16 @@ class CheckpointManager:
                         self._keep_error(f"telling the others that step {job.step} committed", e)
         finally:
             self._slots.release()
+
+    def _newest_intact_before(self, step: int) -> tuple[str, Manifest] | None:
+        """Commit thread: the newest committed step before `step` whose manifest was read (an
+        incremental save links the files it shares with it); retention runs on this thread too,
+        so it stays until the save that links to it has committed."""
+        for older in reversed(self.all_steps()):
+            rec = self._catalog.get(older)
+            if older < step and rec is not None and rec.manifest is not None:
+                return self._names.format(older), rec.manifest
+        return None
 
     def _keep_error(self, what: str, error: BaseException) -> None:
         log.error("cairn: %s failed: %r", what, error)

@@ -1,0 +1,174 @@
+"""Incremental saves (``incremental=True``): a file whose content the newest committed step
+already has is a hard link to that step's file, and every step stays whole on its own."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from treeutil import assert_tree_equal
+
+from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest
+
+FROZEN = "state/arrays/0/0"  # the frozen leaf's one chunk ("frozen" sorts before "lora")
+LORA = "state/arrays/1/0"
+
+
+def state(step: int) -> dict[str, Any]:
+    return {
+        "frozen": jnp.arange(1 << 18, dtype=jnp.float32),  # 1 MiB: staged, written O_DIRECT
+        "lora": jnp.full(1000, float(step)),
+    }
+
+
+def host(tree: Any) -> Any:
+    return jax.tree.map(np.asarray, tree)
+
+
+def records(root: Path, step: int) -> dict[str, dict[str, Any]]:
+    manifest = json.loads((root / f"checkpoint_{step}" / "_CHECKPOINT.json").read_text())
+    return {f"{item}/{f['path']}": f for item, e in manifest["items"].items() for f in e["files"]}
+
+
+def inode(root: Path, step: int, relpath: str) -> int:
+    return os.lstat(root / f"checkpoint_{step}" / relpath).st_ino
+
+
+def test_unchanged_files_are_links_to_the_newest_step(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2, 3):  # 1: views (the pool warms), 2 and 3: staged
+            mgr.save(step, {"state": state(step)})
+            mgr.wait_until_finished()
+        for step in (2, 3):
+            got = records(tmp_path, step)
+            assert got[FROZEN].get("reused") is True
+            assert "reused" not in got[LORA] and got["state/tree.json"].get("reused") is True
+            assert inode(tmp_path, step, FROZEN) == inode(tmp_path, 1, FROZEN)
+            assert inode(tmp_path, step, LORA) != inode(tmp_path, step - 1, LORA)
+            tm = mgr.info(step).telemetry
+            assert tm["bytes_written"] < 0.01 * tm["bytes"]
+        assert mgr.info(1).telemetry["bytes_written"] == mgr.info(1).telemetry["bytes"]
+        assert os.lstat(tmp_path / "checkpoint_3" / FROZEN).st_nlink == 3
+        for step in (1, 2, 3):
+            assert_tree_equal(host(mgr.restore(step)["state"]), host(state(step)))
+        assert all(mgr.verify(step) == [] for step in (1, 2, 3))
+
+
+def test_off_by_default(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": state(step)})
+            mgr.wait_until_finished()
+        assert inode(tmp_path, 2, FROZEN) != inode(tmp_path, 1, FROZEN)
+        assert all("reused" not in r for r in records(tmp_path, 2).values())
+        assert mgr.info(2).telemetry["bytes_written"] == mgr.info(2).telemetry["bytes"]
+
+
+def test_deleting_a_step_never_breaks_the_steps_that_share_its_files(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep=KeepLatest(2), incremental=True) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, {"state": state(step)})
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]  # retention deleted 1 and 2, whose file 3 and 4 share
+        assert records(tmp_path, 4)[FROZEN].get("reused") is True
+        assert_tree_equal(host(mgr.restore(3)["state"]), host(state(3)))
+        mgr.delete(3)  # by hand too
+        assert_tree_equal(host(mgr.restore(4)["state"]), host(state(4)))
+        assert mgr.verify(4) == []
+    assert os.lstat(tmp_path / "checkpoint_4" / FROZEN).st_nlink == 1
+
+
+def test_a_damaged_file_of_the_previous_step_is_written_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        path = tmp_path / "checkpoint_1" / FROZEN
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0xFF  # same size, other content: the manifest's hash no longer holds
+        with open(path, "r+b") as f:
+            f.write(data)
+        with caplog.at_level(logging.WARNING, logger="cairn"):
+            mgr.save(2, {"state": state(2)})
+            mgr.wait_until_finished()
+        assert "does not hold what its manifest records" in caplog.text
+        assert "reused" not in records(tmp_path, 2)[FROZEN]
+        assert inode(tmp_path, 2, FROZEN) != inode(tmp_path, 1, FROZEN)
+        assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
+        with pytest.raises(CorruptCheckpointError, match=r"step 1"):
+            mgr.restore(1)
+
+
+def test_a_file_of_the_previous_step_swapped_for_a_link_is_not_linked(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    root = tmp_path / "run"
+    with CheckpointManager(root, incremental=True) as mgr:
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        path = root / "checkpoint_1" / FROZEN
+        outside.write_bytes(path.read_bytes())  # the same bytes: only the link is wrong
+        path.unlink()
+        path.symlink_to(outside)
+        mgr.save(2, {"state": state(2)})
+        mgr.wait_until_finished()
+        made = os.lstat(root / "checkpoint_2" / FROZEN)
+        assert made.st_nlink == 1 and made.st_ino != os.lstat(outside).st_ino
+        assert os.lstat(outside).st_nlink == 1
+        assert "reused" not in records(root, 2)[FROZEN]
+        assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
+
+
+def test_a_new_process_reads_a_file_once_before_linking_it(tmp_path: Path) -> None:
+    """Files this process did not write are hashed before their first link (then known)."""
+    from cairn.handlers import _files
+
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+    _files._KNOWN.clear()  # as after a restart
+    reads = []
+    real = _files._hash_fd
+
+    def counting(fd: int) -> str:
+        reads.append(fd)
+        return real(fd)
+
+    _files._hash_fd = counting  # type: ignore[assignment]
+    try:
+        with CheckpointManager(tmp_path, incremental=True) as mgr:
+            for step in (2, 3):
+                mgr.save(step, {"state": state(step)})
+                mgr.wait_until_finished()
+    finally:
+        _files._hash_fd = real  # type: ignore[assignment]
+    first = len(reads)
+    assert first >= 1  # step 2 read step 1's frozen chunk (and the small files it shares)
+    assert inode(tmp_path, 3, FROZEN) == inode(tmp_path, 1, FROZEN)
+    assert len(reads) == first  # step 3 knew them all: nothing read again
+    with pytest.raises(TypeError, match="incremental"):
+        CheckpointManager(tmp_path / "x", incremental="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()
+
+
+def test_numpy_state_and_save_dtype(tmp_path: Path) -> None:
+    from cairn.handlers import TrainStateHandler
+
+    tree = {"w": np.linspace(0, 1, 1 << 18, dtype=np.float32), "b": np.ones(4, np.float32)}
+    handler = TrainStateHandler(save_dtype=jnp.bfloat16)
+    with CheckpointManager(tmp_path, incremental=True, handlers={"state": handler}) as mgr:
+        mgr.save(1, {"state": tree})
+        mgr.save(2, {"state": {**tree, "b": tree["b"] * 2}})
+        mgr.wait_until_finished()
+        w, b = "state/arrays/0/0", "state/arrays/1/0"  # the leaves in the dict's order
+        assert inode(tmp_path, 2, w) == inode(tmp_path, 1, w)
+        assert inode(tmp_path, 2, b) != inode(tmp_path, 1, b)
+        got = mgr.restore(2)["state"]
+        np.testing.assert_array_equal(got["w"], tree["w"].astype(jnp.bfloat16).astype(np.float32))
