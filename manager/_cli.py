@@ -340,6 +340,8 @@ def _show(args: argparse.Namespace) -> int:
         _json(
             {
                 "step": step,
+                "bytes": info.bytes,
+                "bytes_written": info.telemetry.get("bytes_written"),
                 "metrics": dict(info.metrics),
                 "metadata": dict(info.metadata),
                 "items": described,
@@ -347,6 +349,9 @@ def _show(args: argparse.Namespace) -> int:
         )
         return 0
     header = f"step {step}: committed {_when(info.committed_at)}, {_size(info.bytes)}"
+    written = info.telemetry.get("bytes_written")
+    if written is not None and written < info.bytes:  # an incremental save linked the rest
+        header += f" ({_size(written)} written, the rest shared with an earlier step)"
     metrics = ", ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
     console = _console()
     if console.is_terminal:  # one table: a row per item, then a row per leaf under it

@@ -107,6 +107,19 @@ def losses(root: Path) -> None:
             mgr.save(step, {"state": {"w": np.full((4, 4), step), "b": 3}}, metrics={"loss": loss})
 
 
+def test_show_says_what_an_incremental_save_wrote(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": {"frozen": np.ones(100_000), "w": np.full(4, step)}})
+    shown = json.loads(cairn("show", str(tmp_path), "2", "--json").stdout)
+    assert shown["bytes"] > 800_000 and 0 < shown["bytes_written"] < 2_000
+    first = json.loads(cairn("show", str(tmp_path), "1", "--json").stdout)
+    assert first["bytes_written"] == first["bytes"]
+    text = cairn("show", str(tmp_path), "2").stdout.splitlines()[0]
+    assert text.endswith(" written, the rest shared with an earlier step)"), text
+    assert "shared" not in cairn("show", str(tmp_path), "1").stdout
+
+
 def test_ls_json_and_kept_by(tmp_path: Path) -> None:
     losses(tmp_path)
     rows = json.loads(cairn("ls", str(tmp_path), "--json").stdout)
