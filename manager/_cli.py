@@ -266,6 +266,7 @@ def _ls(args: argparse.Namespace) -> int:
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         infos = _infos(mgr)
         reasons = _kept_by(policy, _views(infos)) if policy is not None else {}
+        checked: dict[tuple[int, ...], str] = {}  # files steps share are read once
         for step, info in infos.items():
             row: dict[str, Any] = {"step": step}
             if isinstance(info, CairnError):
@@ -274,7 +275,7 @@ def _ls(args: argparse.Namespace) -> int:
                 continue
             problems = []
             if args.verify:
-                problems = mgr.verify(step)
+                problems = mgr.verify(step, checked=checked)
             row.update(
                 committed_at=info.committed_at,
                 bytes=info.bytes,
@@ -577,10 +578,11 @@ def _verify(args: argparse.Namespace) -> int:
         infos = _infos(mgr, steps)  # a damaged manifest counts no bytes: verify reports it
         total = sum(i.bytes for i in infos.values() if not isinstance(i, CairnError))
         results: list[dict[str, Any]] = []
+        checked: dict[tuple[int, ...], str] = {}  # files steps share are read once
         with _progress("verifying", total, quiet=args.json, in_bytes=True) as advance:
             for step in steps:
                 try:
-                    problems = mgr.verify(step, progress=advance)
+                    problems = mgr.verify(step, progress=advance, checked=checked)
                 except CairnError as e:  # deleted meanwhile by a writer
                     problems = [str(e)]
                 result = {"step": step, "ok": not problems, "problems": problems}

@@ -89,7 +89,11 @@ def run_trials(
         if any(_is_leftover(p.name) for p in root.iterdir()):
             stats.kills_with_leftovers += 1
         latest = check_directory(
-            root, keep_latest=keep_latest, keep_best=keep_best, dataset="--dataset" in args
+            root,
+            keep_latest=keep_latest,
+            keep_best=keep_best,
+            dataset="--dataset" in args,
+            incremental="--incremental" in args,
         )
         assert latest > previous_latest, (
             f"the writer did not advance: {latest} <= {previous_latest}"
@@ -106,18 +110,21 @@ def run_phase_trials(
     root: Path, phases: list[str], per_phase: int, *, seed: int = 0
 ) -> dict[str, int]:
     """For each phase, `per_phase` writers (async, KeepLatest(2) | KeepBest(2), late metrics,
-    an iterator item kept by keep_items) that SIGKILL themselves at the N-th time they reach it
-    (N random in 1..4); after each, the directory is checked as in `run_trials`.
+    an iterator item kept by keep_items, incremental saves: each step links its unchanged files
+    to the step before) that SIGKILL themselves at the N-th time they reach it (N random in
+    1..4); after each, the directory is checked as in `run_trials`.
     Returns the steps committed per phase."""
     rng = random.Random(seed)
     committed = {}
     for phase in phases:
         assert phase in PHASES, phase
-        previous_latest = check_directory(root, dataset=True) if _has_steps(root) else -1
+        previous_latest = (
+            check_directory(root, dataset=True, incremental=True) if _has_steps(root) else -1
+        )
         total = 0
         for _ in range(per_phase):
             args = ["--late-metrics", "--dataset", "--keep-latest", "2", "--keep-best", "2"]
-            args += ["--kill-in", phase, "--kill-at", str(rng.randint(1, 4))]
+            args += ["--incremental", "--kill-in", phase, "--kill-at", str(rng.randint(1, 4))]
             proc = subprocess.run(
                 [sys.executable, str(WRITER), str(root), *args],
                 capture_output=True,
@@ -126,7 +133,9 @@ def run_phase_trials(
                 check=False,
             )
             assert proc.returncode == -signal.SIGKILL, (phase, proc.returncode, proc.stderr[-2000:])
-            latest = check_directory(root, keep_latest=2, keep_best=2, dataset=True)
+            latest = check_directory(
+                root, keep_latest=2, keep_best=2, dataset=True, incremental=True
+            )
             assert latest > previous_latest, f"{phase}: the writer did not advance"
             total += latest - previous_latest
             previous_latest = latest
@@ -143,9 +152,16 @@ def _is_leftover(name: str) -> bool:
 
 
 def check_directory(
-    root: Path, *, keep_latest: int = 0, keep_best: int = 0, dataset: bool = False
+    root: Path,
+    *,
+    keep_latest: int = 0,
+    keep_best: int = 0,
+    dataset: bool = False,
+    incremental: bool = False,
 ) -> int:
-    """Open a fresh writer on `root` and check everything; returns the newest step."""
+    """Open a fresh writer on `root` and check everything; returns the newest step. With
+    `incremental`, every step but step 0 must have linked files of the step before (the state's
+    frozen leaf at least) and still verify on its own."""
     with CheckpointManager(root) as mgr:
         leftover = [p.name for p in root.iterdir() if _is_leftover(p.name)]
         leftover += [
@@ -163,6 +179,10 @@ def check_directory(
                 assert not (root / f"checkpoint_{step}" / "data").exists(), "an orphan item"
             got = mgr.restore(step, wanted, fallback=False)
             assert_tree_equal(got["state"], expected_state(step))
+            if incremental and step > 0:
+                tm = mgr.info(step).telemetry
+                assert tm["bytes_written"] < tm["bytes"], f"step {step} linked nothing"
+                assert mgr.verify(step) == []
             if "data" in got:
                 assert take(got["data"]) == take(expected_data(step))
         if dataset:  # the newest step always keeps its iterator position

@@ -1,11 +1,13 @@
 """A trainer-like process for the crash tests: saves deterministic states in a loop until killed.
 
     python crash_writer.py ROOT [--sync] [--keep-latest N] [--keep-best N] [--late-metrics]
-                                [--dataset] [--kill-in PHASE --kill-at N]
+                                [--dataset] [--incremental] [--kill-in PHASE --kill-at N]
 
 Each step's content is a pure function of the step (`expected_state`, and with --dataset an
 iterator advanced `step` elements, kept by keep_items={"data": KeepLatest(1)}), so a checker can
-verify any step that survives. After each save() returns it prints ``saved <step>`` (flushed).
+verify any step that survives. Its ``frozen`` leaf never changes, so with --incremental every
+step but the first links that chunk (and its zarr.json) to the step before, which retention then
+deletes. After each save() returns it prints ``saved <step>`` (flushed).
 With --late-metrics it then records ``eval`` for that step (record_metrics waits for the commit).
 
 --kill-in PHASE makes the process SIGKILL itself at the N-th time it reaches PHASE (counted from
@@ -35,6 +37,7 @@ def expected_state(step: int) -> dict[str, Any]:
         "bias": np.full(7, step, np.int64),
         # 2 MiB in one chunk: staged, then written with O_DIRECT (a chunk of 1 MiB or more)
         "embedding": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) + step,
+        "frozen": np.linspace(-1, 1, 256 * 1024, dtype=np.float32),  # 1 MiB, the same every step
         "step": step,
     }
 
@@ -54,6 +57,7 @@ def _phases() -> dict[str, tuple[Any, str, str, Callable[..., bool]]]:
     storage = _posix.PosixStorage
     return {
         "file-written": (_files.LocalDestination, "_put", "after", every),
+        "file-linked": (_files.LocalDestination, "_link", "after", every),
         "manifest-written": (_posix, "fsync_tree", "before", every),
         "durable-not-renamed": (_posix, "fsync_tree", "after", every),
         "after-a-rename": (_posix, "fsync_dir", "before", every),
@@ -71,6 +75,7 @@ def _phases() -> dict[str, tuple[Any, str, str, Callable[..., bool]]]:
 PHASES = sorted(
     [
         "file-written",
+        "file-linked",
         "manifest-written",
         "durable-not-renamed",
         "after-a-rename",
@@ -134,13 +139,20 @@ def main() -> None:
     parser.add_argument("--keep-best", type=int, default=0)
     parser.add_argument("--late-metrics", action="store_true")
     parser.add_argument("--dataset", action="store_true")
+    parser.add_argument("--incremental", action="store_true")
     parser.add_argument("--kill-in", choices=PHASES, default=None)
     parser.add_argument("--kill-at", type=int, default=1)
     args = parser.parse_args()
     arm = arm_kill(args.kill_in, args.kill_at) if args.kill_in else None
     keep = keep_policy(args.keep_latest, args.keep_best)
     keep_items = {"data": KeepLatest(1)} if args.dataset else None
-    mgr = CheckpointManager(args.root, keep=keep, keep_items=keep_items, async_save=not args.sync)
+    mgr = CheckpointManager(
+        args.root,
+        keep=keep,
+        keep_items=keep_items,
+        async_save=not args.sync,
+        incremental=args.incremental,
+    )
     latest = mgr.latest_step()
     step = 0 if latest is None else latest + 1
     while True:

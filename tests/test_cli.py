@@ -120,6 +120,35 @@ def test_show_says_what_an_incremental_save_wrote(tmp_path: Path) -> None:
     assert "shared" not in cairn("show", str(tmp_path), "1").stdout
 
 
+def test_verify_reads_a_shared_file_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cairn.handlers import FileRecord
+
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"state": {"frozen": np.ones(100_000), "w": np.full(4, step)}})
+    checked: list[str] = []
+    real = FileRecord.check
+
+    def counting(self: FileRecord, data: Any, where: str) -> None:
+        checked.append(where)
+        real(self, data, where)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FileRecord, "check", counting)
+        code, out, _ = run_cli(capsys, "verify", str(tmp_path))
+    assert code == 0 and "3 steps checked, 0 damaged" in out
+    frozen = [w for w in checked if w.endswith("/arrays/0/0")]
+    assert len(frozen) == 1 and "checkpoint_1" in frozen[0]  # steps 2 and 3 share that file
+    assert len([w for w in checked if w.endswith("/arrays/1/0")]) == 3  # "w" changed each step
+    chunk = tmp_path / "checkpoint_1" / "state" / "arrays" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[-10] ^= 1  # the shared chunk: damaged in every step
+    with open(chunk, "r+b") as f:
+        f.write(data)
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path))
+    assert code == 1 and "3 steps checked, 3 damaged" in out
+
+
 def test_ls_json_and_kept_by(tmp_path: Path) -> None:
     losses(tmp_path)
     rows = json.loads(cairn("ls", str(tmp_path), "--json").stdout)

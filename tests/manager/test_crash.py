@@ -38,6 +38,21 @@ def test_async_saves_with_retention_and_late_metrics_survive_sigkill(
     assert stats.kills_with_leftovers > 0, "no kill landed inside a commit"
 
 
+def test_incremental_saves_survive_sigkill(
+    tmp_path: Path, record_property: pytest.RecordProperty
+) -> None:
+    """30 kills of an async writer with incremental saves and KeepLatest(2): kills land while a
+    step links its unchanged files to the previous one, while retention deletes the step whose
+    files the newest shares, and while the next start removes what a kill left."""
+    stats = run_trials(
+        tmp_path, 30, writer_args=("--incremental",), keep_latest=2, min_saves=2, seed=6
+    )
+    record_property("crash_incremental", str(stats))
+    print(stats)
+    assert stats.trials == 30
+    assert stats.kills_with_leftovers > 0, "no kill landed inside a commit"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_many_kills(tmp_path: Path, mode: str) -> None:
@@ -53,9 +68,10 @@ def test_many_kills(tmp_path: Path, mode: str) -> None:
 def test_kills_at_each_phase_of_the_protocol(
     tmp_path: Path, record_property: pytest.RecordProperty
 ) -> None:
-    """One kill at each of 12 points: file written, manifest written, durable but not renamed,
-    after a rename, metrics update, per-item drop (before, between manifest and trash, after),
-    delete, reclaim. Every trial commits at least one step first."""
+    """One kill at each of 13 points: file written, file linked (incremental saves, on in these
+    trials), manifest written, durable but not renamed, after a rename, metrics update, per-item
+    drop (before, between manifest and trash, after), delete, reclaim. Every trial commits at
+    least one step first."""
     committed = run_phase_trials(tmp_path, PHASES, 1, seed=4)
     record_property("crash_phases", str(committed))
     print(committed)
@@ -64,7 +80,7 @@ def test_kills_at_each_phase_of_the_protocol(
 
 @pytest.mark.slow
 def test_many_kills_at_each_phase(tmp_path: Path) -> None:
-    """The long version: 10 kills per phase (120 in all)."""
+    """The long version: 10 kills per phase (130 in all)."""
     committed = run_phase_trials(tmp_path, PHASES, 10, seed=5)
     print(committed)
     assert sorted(committed) == PHASES
