@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak lower-bounds demo bench bench-overhead lint clean
+.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-incremental lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -69,6 +69,9 @@ bench: install
 # What a background save costs the training loop, cairn against Orbax, on two train steps (~12 min).
 bench-overhead: install
 	$(BIN)/python bench/bench_overhead.py
+
+bench-incremental: install
+	$(BIN)/python bench/bench_incremental.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -61,6 +61,26 @@ def test_two_processes_save_retain_and_restore_into_other_shardings(place: Place
     assert not [k for k in keys if "process-" in k and "state" not in k], keys
 
 
+def test_incremental_saves_link_each_process_shards(tmp_path: Path) -> None:
+    """Two processes save a frozen sharded array three times with incremental=True on a shared
+    directory: every process links its own shard files to the step before (the chunk files of
+    steps 2 and 3 are the inodes step 1 wrote), and each step restores and verifies on both."""
+    results = launch("incremental", tmp_path)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "steps [2, 3]" in r.stdout and f"ok incremental {i}" in r.stdout
+    chunks = sorted((tmp_path / "checkpoint_3" / "state" / "arrays" / "0").iterdir())
+    assert [p.name for p in chunks] == ["0.0", "0.1", "1.0", "1.1", "zarr.json"]
+    for chunk in chunks:  # both processes' shards: shared by steps 2 and 3 (1 is deleted)
+        assert chunk.stat().st_nlink == 2, chunk
+        assert (
+            chunk.stat().st_ino
+            == (tmp_path / "checkpoint_2" / chunk.relative_to(tmp_path / "checkpoint_3"))
+            .stat()
+            .st_ino
+        )
+
+
 def test_clocks_that_disagree_still_agree_on_saving(tmp_path: Path) -> None:
     """A time-based policy: the primary decides and broadcasts, whatever the other's clock says."""
     results = launch("clock", tmp_path)
