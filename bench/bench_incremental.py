@@ -161,7 +161,8 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
                     note(f"{case}.{name}.written", runner.written(step))
             step += 1
         if rnd:  # restore the lora step just saved: incremental against full
-            for name in ("cairn", "cairn-incremental"):
+            pair = ("cairn", "cairn-incremental")
+            for name in pair if rnd % 2 else pair[::-1]:  # the order alternates
                 runner = runners[name]
                 warm(runner.mgr.directory)
                 bts.clean_memory()
