@@ -441,6 +441,28 @@ class Destination(abc.ABC):
         self._reusable = {(r.size, r.xxh3_128): r.path for r in records if r.xxh3_128}
         self._reuse_source = source
 
+    def link_known(self, relpath: str, size: int, digest: str) -> FileRecord | None:
+        """Make `relpath` the previous step's file of this size and content hash without being
+        given its bytes (a caller that knows them unchanged: the same immutable array as when it
+        wrote them); its record, or None where the previous step has no such file or it cannot
+        be linked (nothing is made then, and the caller writes the bytes)."""
+        source_relpath = self._reusable.get((size, digest))
+        source = self._reuse_source
+        if source_relpath is None or source is None:
+            return None
+        self._reserve(relpath)
+        linked = False
+        try:
+            linked = self._link(relpath, source, source_relpath, size, digest)
+        finally:
+            with self._written_lock:
+                if linked:
+                    record = FileRecord(relpath, size, xxh3_128=digest, reused=True)
+                    self._written[relpath] = record
+                else:
+                    del self._written[relpath]  # the caller may write it
+        return record if linked else None
+
     def _link(
         self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
     ) -> bool:

@@ -29,6 +29,7 @@ import mmap
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -88,9 +89,13 @@ class StagingPool:
     views, and a warning says so once.
     """
 
-    def __init__(self, *, max_bytes: int | None = None, zero_copy: bool = False) -> None:
+    def __init__(
+        self, *, max_bytes: int | None = None, zero_copy: bool = False, remember: bool = False
+    ) -> None:
         self.max_bytes = max_bytes
         self.zero_copy = zero_copy
+        self.remembers = remember
+        self._remembered: dict[str, dict[int, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
         self._free: dict[str, list[Slab]] = {}
         self._in_use = 0  # bytes of leased slabs
@@ -181,6 +186,19 @@ class StagingPool:
             if not self._closed:
                 self._free.setdefault(key, []).append(slab)
 
+    def remember(self, key: str, leaves: dict[int, tuple[Any, ...]]) -> None:
+        """What the last written save of item `key` wrote for its jax leaves (leaf index ->
+        (weak reference to the array, the leaf's signature, its file records)), for the next
+        snapshot: a leaf that is the same immutable array again need not be copied or hashed
+        (incremental saves; a no-op unless the pool was made with `remember`)."""
+        if self.remembers:
+            with self._lock:
+                self._remembered[key] = leaves
+
+    def recall(self, key: str) -> dict[int, tuple[Any, ...]]:
+        with self._lock:
+            return self._remembered.get(key, {})
+
     def wait(self) -> None:
         """Until no slab is being faulted in."""
         while True:
@@ -196,6 +214,7 @@ class StagingPool:
         with self._lock:
             self._closed = True
             self._free.clear()
+            self._remembered.clear()
 
 
 def _fits(nbytes: int) -> int:

@@ -21,6 +21,7 @@ import itertools
 import json
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from cairn.handlers._files import (
     writing_process,
 )
 from cairn.handlers._optional import optional
-from cairn.handlers._staging import Lease, Slab, current_staging, round_up
+from cairn.handlers._staging import Lease, Slab, StagingPool, current_staging, round_up
 from cairn.handlers._tree import (
     NONE,
     TREE,
@@ -159,16 +160,25 @@ class _Leaf:
     shared: bool  # the same on every process (host data, process-local arrays): primary writes
     owned: bool  # `pieces` are private to the snapshot (a device-to-host copy, a staged copy)
     staged: list[tuple[str, int, int]] | None = None  # (chunk key, slab offset, data bytes)
+    ref: Any = None  # a weak reference to the jax array (incremental saves)
+    signature: tuple[Any, ...] = ()  # what its files depend on besides its content
+    known: Mapping[str, FileRecord] | None = None  # its files as a save wrote them before
 
 
 class _StateSnapshot:
     def __init__(
-        self, handler: TrainStateHandler, tree: Any, leaves: list[_Leaf], lease: Lease | None
+        self,
+        handler: TrainStateHandler,
+        tree: Any,
+        leaves: list[_Leaf],
+        lease: Lease | None,
+        staging: tuple[StagingPool, str] | None = None,
     ) -> None:
         self._handler = handler
         self._tree = tree
         self._leaves = leaves
         self._lease = lease
+        self._staging = staging
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)
@@ -177,6 +187,8 @@ class _StateSnapshot:
         metadata: list[tuple[str, bytes]] = []  # written by the same pool, first
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
         staged: list[tuple[str, int, int]] = []
+        linked: list[FileRecord] = []  # files of unchanged arrays, linked to the previous step
+        viewed: set[int] = set()  # leaves written from views of their arrays
         for leaf in self._leaves:
             base = f"arrays/{leaf.index}"
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
@@ -189,7 +201,15 @@ class _StateSnapshot:
                 continue
             for region, data in leaf.pieces:
                 for key, part in _chunks_of(region, data, leaf.chunk):
-                    jobs.append((f"{base}/{key}", part, leaf.dtype))
+                    relpath = f"{base}/{key}"
+                    record = leaf.known.get(relpath) if leaf.known is not None else None
+                    if record is not None and record.xxh3_128 is not None:
+                        reused = dest.link_known(relpath, record.size, record.xxh3_128)
+                        if reused is not None:
+                            linked.append(reused)
+                            continue
+                    viewed.add(leaf.index)
+                    jobs.append((relpath, part, leaf.dtype))
         try:
             slab = self._lease.slab if self._lease is not None else None
             records = _write_chunks(
@@ -199,6 +219,8 @@ class _StateSnapshot:
             if self._lease is not None:  # the next save may stage into it now
                 self._lease.release()
         for leaf in self._leaves:  # a donated buffer may have been overwritten while we read it
+            if leaf.known is not None and leaf.index not in viewed:
+                continue  # every file linked: nothing was read from the array
             for source in leaf.sources:
                 if source.is_deleted():
                     raise RuntimeError(
@@ -206,9 +228,29 @@ class _StateSnapshot:
                         "checkpoint was being written; the step is not committed. Keep it alive "
                         "until the save commits (wait_until_finished) or call save() again."
                     )
+        records += linked
+        if self._staging is not None:
+            self._remember(records)
         if primary:
             records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
+
+    def _remember(self, records: Sequence[FileRecord]) -> None:
+        """Tell the pool what each jax leaf's chunk files are now (see `StagingPool.remember`)."""
+        pool, item = self._staging  # type: ignore[misc]
+        by_leaf: dict[str, dict[str, FileRecord]] = {}
+        for record in records:
+            base, _, name = record.path.rpartition("/")
+            if name != "zarr.json":
+                by_leaf.setdefault(base, {})[record.path] = record
+        pool.remember(
+            item,
+            {
+                leaf.index: (leaf.ref, leaf.signature, by_leaf.get(f"arrays/{leaf.index}", {}))
+                for leaf in self._leaves
+                if leaf.ref is not None
+            },
+        )
 
 
 _COPY_PIECE = 16 * (1 << 20)  # rows copied per task: both cores copy a large leaf
@@ -228,6 +270,22 @@ def _shared_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecut
 _Placed = tuple[_Leaf, str, np.ndarray, int, int]  # leaf, chunk key, its rows, slab offset, bytes
 
 
+def _unchanged(
+    leaves: Sequence[_Leaf], remembered: Mapping[int, tuple[Any, ...]]
+) -> Iterator[tuple[_Leaf, Mapping[str, FileRecord]]]:
+    """The jax leaves that are the very arrays an earlier save of the item wrote, with the same
+    signature (key path, shape, dtypes, chunks, shards), and what it wrote for them. A jax array
+    never changes, so their files need not be written, nor their content copied or hashed."""
+    for leaf in leaves:
+        entry = remembered.get(leaf.index)
+        if leaf.ref is None or entry is None:
+            continue
+        array = leaf.ref()
+        same = array is not None and entry[0]() is array and entry[1] == leaf.signature
+        if same and entry[2] and not array.is_deleted():
+            yield leaf, entry[2]
+
+
 def _stage_layout(leaves: Sequence[_Leaf]) -> tuple[list[_Placed], int]:
     """Where `_stage` puts each chunk of the leaves that do not own their pieces, and the slab
     bytes that takes: each chunk (its data and the 4-byte crc32c tail) from a page boundary, so
@@ -235,7 +293,7 @@ def _stage_layout(leaves: Sequence[_Leaf]) -> tuple[list[_Placed], int]:
     placed: list[_Placed] = []
     at = 0
     for leaf in leaves:
-        if leaf.owned:
+        if leaf.owned or leaf.known is not None:  # unchanged arrays keep views, in case
             continue
         nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
         for region, data in leaf.pieces:
@@ -541,6 +599,10 @@ class TrainStateHandler:
                 region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows
             )
             leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared, owned))
+            if kind == "jax":
+                leaves[-1].ref = weakref.ref(x)
+                regions = tuple(tuple((sl.start, sl.stop) for sl in r) for r, _ in pieces)
+                leaves[-1].signature = (path, shape, dtype.str, src_dtype.str, chunk, regions)
             node = {
                 "t": "npscalar" if kind == "npscalar" else "array",
                 "kind": kind,
@@ -556,6 +618,9 @@ class TrainStateHandler:
         tree = encode(obj, leaf, pytrees=True)
         staging = current_staging()
         lease = None
+        if staging is not None and staging[0].remembers:  # incremental: unchanged arrays
+            for kept, files in _unchanged(leaves, staging[0].recall(staging[1])):
+                kept.known = files  # linked at write time, or written from these views
         if staging is not None:  # inside a manager's save(): its pool, if it has room
             # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
             copies_anyway = not any(kept.sources for kept in leaves)
@@ -570,7 +635,7 @@ class TrainStateHandler:
         for kept in leaves:  # not staged: keep views of jax arrays (see the class docstring)
             if kept.staged is None:
                 kept.pieces = [(r, _private(d, kept)) for r, d in kept.pieces]
-        return _StateSnapshot(self, tree, leaves, lease)
+        return _StateSnapshot(self, tree, leaves, lease, staging)
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
         if self.save_dtype is None or not _is_float(dtype):

@@ -205,12 +205,13 @@ class CheckpointManager:
         self._read_only = check_flag("read_only", read_only)
         self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
         self._timeout = check_barrier_timeout(barrier_timeout)
+        self._incremental = check_flag("incremental", incremental)
         self._staging = StagingPool(
             max_bytes=check_max_staging_bytes(max_staging_bytes),
             zero_copy=check_flag("zero_copy", zero_copy),
+            remember=self._incremental,
         )
         self._budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
-        self._incremental = check_flag("incremental", incremental)
         try:
             given = None if metadata is None else check_metadata(metadata)
         except TypeError as e:

@@ -172,3 +172,57 @@ def test_numpy_state_and_save_dtype(tmp_path: Path) -> None:
         assert inode(tmp_path, 2, b) != inode(tmp_path, 1, b)
         got = mgr.restore(2)["state"]
         np.testing.assert_array_equal(got["w"], tree["w"].astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_an_unchanged_jax_array_is_neither_copied_nor_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same jax.Array object (immutable) as in the previous save: its chunk files are linked
+    from the records of that save, without copying or hashing its bytes."""
+    import crc32c
+
+    hashed: list[int] = []
+    real = crc32c.crc32c
+
+    def counting(data: Any, value: int = 0) -> int:
+        hashed.append(memoryview(data).nbytes)
+        return real(data, value)
+
+    frozen = jnp.arange(1 << 18, dtype=jnp.float32)
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            if step == 3:
+                monkeypatch.setattr(crc32c, "crc32c", counting)
+            mgr.save(step, {"state": {"frozen": frozen, "lora": jnp.full(1000, float(step))}})
+            mgr.wait_until_finished()
+        assert 0 < sum(hashed) < 10_000  # the lora chunk and the manifest, not the 1 MiB leaf
+        assert inode(tmp_path, 3, FROZEN) == inode(tmp_path, 1, FROZEN)
+        assert records(tmp_path, 3)[FROZEN]["reused"] is True
+        got = host(mgr.restore(3)["state"])
+        np.testing.assert_array_equal(got["frozen"], np.asarray(frozen))
+        assert mgr.verify(3) == []
+
+
+def test_an_unchanged_array_whose_old_file_is_damaged_is_written_from_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    frozen = jnp.arange(1 << 18, dtype=jnp.float32)
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": {"frozen": frozen, "lora": jnp.full(1000, float(step))}})
+            mgr.wait_until_finished()
+        path = tmp_path / "checkpoint_2" / FROZEN  # also step 1's: the same inode
+        data = bytearray(path.read_bytes())
+        data[5] ^= 0x40
+        with open(path, "r+b") as f:
+            f.write(data)
+        with caplog.at_level(logging.WARNING, logger="cairn"):
+            mgr.save(3, {"state": {"frozen": frozen, "lora": jnp.full(1000, 3.0)}})
+            mgr.wait_until_finished()
+        assert "does not hold what its manifest records" in caplog.text
+        assert "reused" not in records(tmp_path, 3)[FROZEN]
+        assert inode(tmp_path, 3, FROZEN) != inode(tmp_path, 2, FROZEN)
+        np.testing.assert_array_equal(
+            np.asarray(mgr.restore(3)["state"]["frozen"]), np.asarray(frozen)
+        )
+        assert mgr.verify(3) == [] and mgr.verify(2) != []
