@@ -286,14 +286,15 @@ def _unchanged(
             yield leaf, entry[2]
 
 
-def _stage_layout(leaves: Sequence[_Leaf]) -> tuple[list[_Placed], int]:
+def _stage_layout(leaves: Sequence[_Leaf], *, known: bool = False) -> tuple[list[_Placed], int]:
     """Where `_stage` puts each chunk of the leaves that do not own their pieces, and the slab
     bytes that takes: each chunk (its data and the 4-byte crc32c tail) from a page boundary, so
-    that it can be written with O_DIRECT."""
+    that it can be written with O_DIRECT. Unchanged arrays (`known`, incremental saves) keep
+    views and are left out, unless `known` asks for them too (the size a slab is kept at)."""
     placed: list[_Placed] = []
     at = 0
     for leaf in leaves:
-        if leaf.owned or leaf.known is not None:  # unchanged arrays keep views, in case
+        if leaf.owned or (leaf.known is not None and not known):
             continue
         nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
         for region, data in leaf.pieces:
@@ -625,6 +626,10 @@ class TrainStateHandler:
             # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
             copies_anyway = not any(kept.sources for kept in leaves)
             placed, size = _stage_layout(leaves)
+            if any(kept.known is not None for kept in leaves):
+                # A slab for the whole state all the same: the next save may change every leaf,
+                # and a pool that shrank would fault a new one in then.
+                size = _stage_layout(leaves, known=True)[1]
             lease = staging[0].lease(staging[1], size, now=copies_anyway)
         if lease is not None:
             try:
