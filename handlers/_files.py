@@ -446,14 +446,12 @@ class Destination(abc.ABC):
         given its bytes (a caller that knows them unchanged: the same immutable array as when it
         wrote them); its record, or None where the previous step has no such file or it cannot
         be linked (nothing is made then, and the caller writes the bytes)."""
-        source_relpath = self._reusable.get((size, digest))
-        source = self._reuse_source
-        if source_relpath is None or source is None:
+        if (size, digest) not in self._reusable:
             return None
         self._reserve(relpath)
         linked = False
         try:
-            linked = self._link(relpath, source, source_relpath, size, digest)
+            linked = self._reuse_file(relpath, size, digest)
         finally:
             with self._written_lock:
                 if linked:
@@ -462,6 +460,14 @@ class Destination(abc.ABC):
                 else:
                     del self._written[relpath]  # the caller may write it
         return record if linked else None
+
+    def _reuse_file(self, relpath: str, size: int, digest: str) -> bool:
+        """Whether `relpath` is now a link to a file of the previous step with this content."""
+        source_relpath = self._reusable.get((size, digest))
+        source = self._reuse_source
+        if source_relpath is None or source is None:
+            return False
+        return self._link(relpath, source, source_relpath, size, digest)
 
     def _link(
         self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
@@ -510,14 +516,7 @@ class Destination(abc.ABC):
             for view in views:
                 digest.update(view)
             xxh3_128 = digest.hexdigest()
-        source_relpath = self._reusable.get((size, xxh3_128))
-        reused = source_relpath is not None and self._link(
-            relpath,
-            self._reuse_source,  # type: ignore[arg-type]
-            source_relpath,
-            size,
-            xxh3_128,
-        )
+        reused = self._reuse_file(relpath, size, xxh3_128)
         if not reused:
             if self.budget is not None:
                 self.budget.take(size)
