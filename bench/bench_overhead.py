@@ -72,7 +72,8 @@ from _common import (  # sets the environment jax reads at import: before jax
 
 X, D = "\u00d7", "\u2013"  # for the tables
 DEFAULT_PNG = REPO / "docs" / "benchmarks_overhead.png"
-SYSTEMS = ("cairn", "cairn-views", "orbax")
+SYSTEMS = ("cairn", "cairn-views", "orbax", "cairn-incremental")  # the last one on request
+DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
 STEPS = ("decoder", "elementwise")
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -116,12 +117,16 @@ def limits(leaves: list[np.ndarray], path: Path) -> dict[str, float]:
 
 
 class Cairn(bts.CairnRunner):
-    def __init__(self, directory: Path, abstract: Any, *, zero_copy: bool = False) -> None:
+    def __init__(self, directory: Path, abstract: Any, *, name: str = "cairn") -> None:
         from cairn.manager import CheckpointManager, KeepLatest
 
-        self.name = "cairn-views" if zero_copy else "cairn"
+        self.name = name
         self.abstract = abstract
-        extra = {"zero_copy": True} if zero_copy else {}
+        extra = {
+            "cairn": {},
+            "cairn-views": {"zero_copy": True},
+            "cairn-incremental": {"incremental": True},
+        }[name]
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
 
 
@@ -137,7 +142,7 @@ def make_runner(name: str, directory: Path, abstract: Any) -> Any:
     if name == "orbax":
         runner: Any = bts.OrbaxRunner(directory, abstract)
     else:
-        runner = Cairn(directory, abstract, zero_copy=name == "cairn-views")
+        runner = Cairn(directory, abstract, name=name)
     runner.root = directory
     return runner
 
@@ -601,7 +606,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append("| target | measured | met |")
         lines.append("|---|---|---|")
-        for s in ("cairn", "cairn-views"):
+        for s in (s for s in systems if s != "orbax"):
             for what, text, _r, met in targets(entry, s):
                 lines.append(f"| {s}: {what} | {text} | {'yes' if met else '**no**'} |")
         lines.append("")
@@ -621,6 +626,11 @@ def print_tables(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="256M,1G")
+    parser.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="commit/restore rounds (default 5)")
     parser.add_argument(
         "--reps", type=int, default=5, help="save windows per system and step (default 5)"
@@ -647,7 +657,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.sizes, args.repeats, args.reps, args.baseline_s = "16M", 2, 2, 0.5
-    systems = [s for s in SYSTEMS if s != "cairn-views" or has_zero_copy()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    systems = [s for s in systems if s != "cairn-views" or has_zero_copy()]
     t0 = now()
 
     def log(msg: str) -> None:
@@ -682,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"cairn from {result['cairn_from']}; systems {systems}; load {load_average()}")
     for label in [s.strip().upper() for s in args.sizes.split(",") if s.strip()]:
         options = {
+            "systems": ",".join(systems),
             "repeats": args.repeats,
             "reps": args.reps,
             "baseline_s": args.baseline_s,
