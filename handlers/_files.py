@@ -74,11 +74,11 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
 
 def hash_file(path: Path) -> str:
     """`content_hash` of a file, read in 4 MiB pieces (for files a handler did not write itself)."""
-    digest = xxhash.xxh3_128()
-    with os.fdopen(open_regular(path), "rb") as f:
-        while piece := f.read(1 << 22):
-            digest.update(piece)
-    return digest.hexdigest()
+    fd = open_regular(path)
+    try:
+        return _hash_fd(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1146,6 +1146,28 @@ class StoredItem:
             data = self.source.read(relpath, record.size)
         record.check(data, self.describe_file(relpath))
         return data
+
+    def check_file(self, relpath: str, checked: dict[tuple[int, ...], str] | None = None) -> None:
+        """Read a recorded file and check it against its record (CorruptCheckpointError naming
+        it). `checked`, a dict kept across calls, lets a local file that several steps share (an
+        incremental save's hard link) be read once: a file found intact is noted there by the
+        device, inode, size and mtime of the descriptor read, and the same unchanged inode
+        recorded with the same content hash is not read again."""
+        record = self._record(relpath)
+        if checked is None or record.xxh3_128 is None or not isinstance(self.source, LocalSource):
+            self.read_bytes(relpath)
+            return
+        with self._reading(relpath):
+            fd = self.source.open(relpath, record.size)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            if checked.get(key) == record.xxh3_128:
+                return
+            with self._reading(relpath):
+                data = f.read(record.size + 1)
+        record.check(data, self.describe_file(relpath))
+        checked[key] = record.xxh3_128
 
     def read_into(self, relpath: str, buffers: Sequence[memoryview]) -> None:
         """Read a recorded file into `buffers` (whose sizes add up to the file's) and check its

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from cairn.handlers import FileRecord, Handler, StoredItem, handler_by_id, handler_for
+from cairn.handlers import Handler, StoredItem, handler_by_id, handler_for
 from cairn.handlers.errors import (
     BarrierTimeoutError,
     CommitError,
@@ -979,9 +979,7 @@ class CheckpointManager:
 
         `checked`: a dict to pass to several calls (``cairn verify`` does, for all the steps of
         a directory) so that a file that steps share (an incremental save's hard link) is read
-        once: a local file found intact is noted there by its inode, size and modification
-        time, and a file of another step that is that same unchanged inode, recorded with the
-        same content hash, is not read again."""
+        once (`StoredItem.check_file`)."""
         step = as_step(step)
         self._wait_if_inflight(step)
         for _ in range(_REREADS):
@@ -1000,7 +998,7 @@ class CheckpointManager:
                 stored = self._stored(step, name, manifest)
                 for record in manifest.items[name].files:
                     try:
-                        _check_file(stored, record, checked)
+                        stored.check_file(record.path, checked)
                     except CorruptCheckpointError as e:
                         problems.append(str(e))
                     except OSError as e:
@@ -1294,27 +1292,3 @@ def _uses_time(policy: Any) -> bool:
     if isinstance(policy, AnyOf):
         return any(_uses_time(p) for p in policy.policies)
     return not isinstance(policy, (EveryNSteps, AtSteps))
-
-
-def _check_file(
-    stored: StoredItem, record: FileRecord, checked: dict[tuple[int, ...], str] | None
-) -> None:
-    """Read one file of a step and check it against its record (CorruptCheckpointError naming
-    it), unless `checked` says this very inode, unchanged, was found to hold the same content
-    (see `CheckpointManager.verify`). The inode is that of the descriptor read."""
-    if checked is None or record.xxh3_128 is None or not stored.source.cheap_size:
-        stored.read_bytes(record.path)
-        return
-    try:
-        fd = stored.open_file(record.path)
-    except TypeError:  # not a local directory
-        stored.read_bytes(record.path)
-        return
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-        if checked.get(key) == record.xxh3_128:
-            return
-        data = f.read(record.size + 1)
-    record.check(data, stored.describe_file(record.path))
-    checked[key] = record.xxh3_128
