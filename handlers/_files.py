@@ -430,16 +430,19 @@ class Destination(abc.ABC):
         self._written_lock = threading.Lock()
         self._reusable: dict[tuple[int, str], str] = {}
         self._reuse_source: Source | None = None
+        self._incremental = False
 
-    def reuse(self, source: Source, records: Iterable[FileRecord]) -> None:
-        """Let `write_file` reuse the files of the previous step's item (`source`, `records`:
-        its manifest's): a file whose size and content hash are those of one of them is not
-        written but linked to it (where the destination can: `LocalDestination` makes a hard
-        link), and its record says ``reused``. What is compared is the hash of the bytes handed
-        to `write_file`, never a timestamp; the previous file must still be a regular file of
-        its recorded size, inside its step, or the bytes are written as usual."""
+    def reuse(self, source: Source | None, records: Iterable[FileRecord] = ()) -> None:
+        """An incremental save: let `write_file` reuse the files of the previous step's item
+        (`source`, `records`: its manifest's; None for the first save, which has none): a file
+        whose size and content hash are those of one of them is not written but linked to it
+        (where the destination can: `LocalDestination` makes a hard link), and its record says
+        ``reused``. What is compared is the hash of the bytes handed to `write_file`, never a
+        timestamp; the previous file must still be a regular file of its recorded size, inside
+        its step, or the bytes are written as usual."""
         self._reusable = {(r.size, r.xxh3_128): r.path for r in records if r.xxh3_128}
         self._reuse_source = source
+        self._incremental = True
 
     def link_known(self, relpath: str, size: int, digest: str) -> FileRecord | None:
         """Make `relpath` the previous step's file of this size and content hash without being
@@ -521,7 +524,8 @@ class Destination(abc.ABC):
             if self.budget is not None:
                 self.budget.take(size)
             self._put(relpath, views)
-            self._wrote(relpath, size, xxh3_128)
+            if self._incremental:  # the next save may link it unread
+                self._wrote(relpath, size, xxh3_128)
         record = FileRecord(relpath, size, xxh3_128=xxh3_128, reused=reused)
         with self._written_lock:
             self._written[relpath] = record
@@ -715,7 +719,8 @@ class LocalDestination(Destination):
         and hashed) before, unchanged since (same device, inode, size and mtime: `_KNOWN`);
         any other file is read and hashed once first, so a damaged file of an older step is
         written afresh rather than passed on to every later step. The link is made by name,
-        then checked to be the very file that was checked (same inode, not a link): a file
+        then checked to be the very file that was checked (same inode, not a link; the checked
+        file is held open meanwhile, so its inode number cannot pass to another file): a file
         swapped in between is unlinked again. False, and nothing left, where any of it fails:
         another filesystem, too many links (ext4 allows 65,000), a previous step gone or
         damaged; the caller then writes the bytes."""
@@ -725,7 +730,7 @@ class LocalDestination(Destination):
             fd = source.open(source_relpath, size)
         except (OSError, CorruptCheckpointError):
             return False
-        try:
+        try:  # the descriptor stays open until the link is checked: its inode cannot be reused
             checked = os.fstat(fd)
             key = (checked.st_dev, checked.st_ino)
             if _KNOWN.get(key) != (checked.st_mtime_ns, size, digest):
@@ -737,18 +742,15 @@ class LocalDestination(Destination):
                     )
                     return False
                 _know(key, (checked.st_mtime_ns, size, digest))
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        target = self.directory / relpath
-        self._parent(relpath)
-        try:
+            target = self.directory / relpath
+            self._parent(relpath)
             os.link(source.directory / source_relpath, target, follow_symlinks=False)
         except FileExistsError:
             raise
         except OSError:
             return False
+        finally:
+            os.close(fd)
         made = os.lstat(target)
         if not stat.S_ISREG(made.st_mode) or (made.st_dev, made.st_ino) != key:
             os.unlink(target)

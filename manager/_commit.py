@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cairn.handlers import FileRecord, Handler, Snapshot
+from cairn.handlers import Destination, FileRecord, Handler, Snapshot
 from cairn.handlers.io import WriteBudget, writing_as
 from cairn.manager._format import ItemEntry, Manifest, StepNames
 from cairn.manager._multihost import SINGLE, Processes
@@ -35,6 +35,7 @@ class SaveJob:
     started_at: float
     blocked_s: float
     budget: WriteBudget | None = None  # max_write_bytes_per_s
+    incremental: bool = False  # files the previous step has are linked, not written
     #: the newest committed step (name, manifest) whose files this one may reuse (incremental)
     previous: tuple[str, Manifest] | None = None
 
@@ -82,11 +83,8 @@ def commit_step(
                 for item, (handler, snapshot) in job.snapshots.items():
                     dest = step.destination(item)
                     dest.budget = job.budget
-                    if job.previous is not None:  # incremental: unchanged files are linked
-                        prev_name, prev = job.previous
-                        entry = prev.items.get(item)
-                        if entry is not None and entry.handler == handler.id and not entry.dropped:
-                            dest.reuse(storage.source(prev_name, item), entry.files)
+                    if job.incremental:
+                        _reuse_previous(dest, storage, job.previous, item, handler.id)
                     records[item] = dest.finish(handler.id, tuple(snapshot.write(dest)))
             if procs.count == 1:  # a writer that lost the directory during the upload stops
                 storage.check_writer()
@@ -117,6 +115,22 @@ def commit_step(
         if procs.primary:  # the reports, off the path to the commit
             procs.forget(f"{key}/written")
     return manifest
+
+
+def _reuse_previous(
+    dest: Destination,
+    storage: Storage,
+    previous: tuple[str, Manifest] | None,
+    item: str,
+    handler_id: str,
+) -> None:
+    """An incremental save's item: the files of the same item in `previous`, if that step has
+    it, written by the same handler and not dropped, may be linked instead of written."""
+    entry = previous[1].items.get(item) if previous is not None else None
+    if previous is None or entry is None or entry.handler != handler_id or entry.dropped:
+        dest.reuse(None)
+    else:
+        dest.reuse(storage.source(previous[0], item), entry.files)
 
 
 def _in_background(fn: Callable[[], None]) -> concurrent.futures.Future[None]:

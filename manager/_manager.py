@@ -441,6 +441,7 @@ class CheckpointManager:
             started_at=started_at,
             blocked_s=time.monotonic() - entered,
             budget=self._budget,
+            incremental=self._incremental,
         )
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
@@ -492,7 +493,7 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
-        if self._incremental:
+        if job.incremental:
             job.previous = self._newest_intact_before(job.step)
         try:
             try:

@@ -226,3 +226,35 @@ def test_an_unchanged_array_whose_old_file_is_damaged_is_written_from_memory(
             np.asarray(mgr.restore(3)["state"]["frozen"]), np.asarray(frozen)
         )
         assert mgr.verify(3) == [] and mgr.verify(2) != []
+
+
+def test_a_file_swapped_between_its_check_and_its_link_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The previous step's chunk is replaced (same size, other bytes, another inode) after it
+    was checked and just before the link is made: the link names the new inode, so it is
+    undone and the chunk is written from memory."""
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        mgr.save(1, {"state": state(1)})
+        mgr.wait_until_finished()
+        real_link = os.link
+        swapped = []
+
+        def swap_then_link(src: Any, dst: Any, **kwargs: Any) -> None:
+            if str(src).endswith(FROZEN) and not swapped:
+                data = bytearray(Path(src).read_bytes())
+                data[0] ^= 1
+                Path(src).unlink()
+                Path(src).write_bytes(data)
+                swapped.append(src)
+            real_link(src, dst, **kwargs)
+
+        monkeypatch.setattr(os, "link", swap_then_link)
+        mgr.save(2, {"state": state(2)})
+        mgr.wait_until_finished()
+        monkeypatch.undo()
+        assert swapped
+        assert "reused" not in records(tmp_path, 2)[FROZEN]
+        assert os.lstat(tmp_path / "checkpoint_2" / FROZEN).st_nlink == 1
+        assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
+        assert mgr.verify(2) == []
