@@ -476,17 +476,19 @@ class Destination(abc.ABC):
         self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
     ) -> bool:
         """Make `relpath` the previous step's file `source_relpath` (`size` bytes, content hash
-        `digest`) without writing it; False where that cannot be done (then the caller writes).
-        Object stores cannot yet (a server-side copy is the way there)."""
+        `digest`) without writing it (a hard link on disk, a server-side copy in a bucket);
+        False where that cannot be done (then the caller writes)."""
         return False
 
-    def _wrote(self, relpath: str, size: int, digest: str) -> None:
-        """`write_file` wrote `relpath` with this content (a hook for `LocalDestination`)."""
+    def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
+        """`write_file` wrote `relpath` with this content in an incremental save (`stored`: what
+        `_put` returned), so that the next save may reuse it without reading it."""
         return None
 
     @abc.abstractmethod
-    def _put(self, relpath: str, pieces: list[memoryview]) -> None:
-        """Store one whole file (its pieces in order) under `relpath`."""
+    def _put(self, relpath: str, pieces: list[memoryview]) -> Any:
+        """Store one whole file (its pieces in order) under `relpath`; anything `_wrote` needs
+        to know the stored file by later (an object store's generation), or None."""
 
     @abc.abstractmethod
     def local_directory(self) -> Path:
@@ -523,9 +525,9 @@ class Destination(abc.ABC):
         if not reused:
             if self.budget is not None:
                 self.budget.take(size)
-            self._put(relpath, views)
+            stored = self._put(relpath, views)
             if self._incremental:  # the next save may link it unread
-                self._wrote(relpath, size, xxh3_128)
+                self._wrote(relpath, size, xxh3_128, stored)
         record = FileRecord(relpath, size, xxh3_128=xxh3_128, reused=reused)
         with self._written_lock:
             self._written[relpath] = record
@@ -757,7 +759,7 @@ class LocalDestination(Destination):
             return False
         return True
 
-    def _wrote(self, relpath: str, size: int, digest: str) -> None:
+    def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
         info = os.lstat(self.directory / relpath)
         _know((info.st_dev, info.st_ino), (info.st_mtime_ns, size, digest))
 

@@ -10,9 +10,13 @@ from cairn.handlers.errors import MissingDependencyError
 # The distribution's top-level module -> the cairn-ckpt extra that installs it.
 EXTRAS = {
     "absl": "grain",  # absl-py, which grain's workers read their flags from
+    "boto3": "s3",
+    "botocore": "s3",
+    "google": "gcs",  # google-auth
     "grain": "grain",
     "jax": "jax",
     "orbax": "orbax",
+    "requests": "gcs",
     "speechbrain": "speechbrain",
     "tensorboard": "tensorboard",
     "tensorflow": "tf",

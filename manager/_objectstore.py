@@ -41,7 +41,8 @@ from cairn.handlers.errors import (
     DirectoryLockedError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import check_relative, optional
+from cairn.handlers.io import check_relative, content_hash, optional
+from cairn.manager import _servercopy
 from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
 from cairn.manager._storage import Listed, Reclaim
 
@@ -143,6 +144,10 @@ class ObjectStore:
         self._ts = ts
         self._spec = spec
         self._kv = ts.KvStore.open(spec, context=context).result()
+        self._scheme, self._bucket = scheme, bucket
+        self._copier: _servercopy.Copier | None = None
+        self._copies = True  # until a copy fails for a reason other than the source's change
+        self._copier_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
@@ -190,6 +195,58 @@ class ObjectStore:
         """The generation TensorStore gives a missing key; as a write condition it means "only if
         absent". The same for every key: read once from a key that never exists."""
         return self._kv.read(".cairn-no-such-key").result().stamp.generation
+
+    def copy(self, source: str, target: str, generation: Any) -> Any:
+        """A server-side copy of the object `source` to `target`, only if `source` is still at
+        `generation` (as `write` or `read_with_generation` gave it); the target's generation,
+        or None where it was not made (the source changed, or the store cannot copy: then the
+        caller uploads the bytes). See `_servercopy`."""
+        copier = self._get_copier()
+        if copier is None:
+            return None
+        try:
+            return copier.copy(source, target, generation)
+        except Exception as e:  # a denied permission, a network error: upload instead
+            with self._copier_lock:
+                if self._copies:
+                    log.warning(
+                        "cairn: %s: a server-side copy failed (%s: %s); incremental saves to it "
+                        "upload every file from now on",
+                        self.url,
+                        type(e).__name__,
+                        e,
+                    )
+                self._copies = False
+            return None
+
+    def copy_unavailable(self) -> bool:
+        """Whether `copy` is known to make nothing here (no library, denied before)."""
+        return self._get_copier() is None
+
+    def _get_copier(self) -> _servercopy.Copier | None:
+        with self._copier_lock:
+            if self._copier is None and self._copies:
+                try:
+                    self._copier = self._make_copier()
+                except Exception as e:  # a missing library (MissingDependencyError), credentials
+                    log.warning(
+                        "cairn: %s: incremental saves cannot copy files on the server here (%s); "
+                        "they upload every file",
+                        self.url,
+                        e,
+                    )
+                    self._copies = False
+            return self._copier if self._copies else None
+
+    def _make_copier(self) -> _servercopy.Copier:
+        prefix = self._spec["path"]
+        if self._scheme == "s3":
+            return _servercopy.S3Copier(
+                self._bucket, prefix, self._spec.get("endpoint"), self._spec["aws_region"]
+            )
+        if self._scheme == "gs":
+            return _servercopy.GcsCopier(self._bucket, prefix)
+        return _servercopy.MemoryCopier(self._kv)
 
     def delete(self, key: str, *, if_generation: Any = None) -> None:
         """Delete an object; with `if_generation`, only if it is still at that generation
@@ -622,9 +679,25 @@ class _KvPrepared:
             self._staging = None
 
 
+# Objects whose content this process knows (it wrote, copied or read and hashed them):
+# (store URL, key) -> (generation, size, content hash). An incremental save copies such an
+# object on the server without reading it, if it is still at that generation.
+_KNOWN: dict[tuple[str, str], tuple[Any, int, str]] = {}
+_KNOWN_LOCK = threading.Lock()
+_KNOWN_MAX = 1 << 20
+
+
+def _know(key: tuple[str, str], value: tuple[Any, int, str]) -> None:
+    with _KNOWN_LOCK:
+        if len(_KNOWN) >= _KNOWN_MAX:
+            _KNOWN.clear()
+        _KNOWN[key] = value
+
+
 class _KvDestination(Destination):
     """An item's prefix in the store: each file one PUT, straight from the handler's buffers
-    (joined into one bytes object, which TensorStore's write takes)."""
+    (joined into one bytes object, which TensorStore's write takes). In an incremental save, a
+    file the previous step has is a server-side copy of that step's object (`_link`)."""
 
     def __init__(self, storage: KvStorage, prefix: str, staging: Callable[[], Path]) -> None:
         super().__init__()
@@ -634,9 +707,44 @@ class _KvDestination(Destination):
     def describe(self, relpath: str) -> str:
         return f"{self._storage.url}/{self._prefix}{relpath}"
 
-    def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+    def _put(self, relpath: str, pieces: list[memoryview]) -> Any:
         data = pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
-        self._storage.store.write(self._prefix + relpath, data)
+        return self._storage.store.write(self._prefix + relpath, data)
+
+    def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
+        _know((self._storage.url, self._prefix + relpath), (stored, size, digest))
+
+    def _link(
+        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+    ) -> bool:
+        """A server-side copy of the previous step's object (`ObjectStore.copy`), made only
+        from the object at the generation whose content is known to be `digest`: one this
+        process wrote, copied, or read whole and hashed first (so a replaced or damaged object
+        of an older step is uploaded afresh, not copied on). False where it is not made."""
+        store = self._storage.store
+        if not isinstance(source, _KvSource) or source._storage is not self._storage:
+            return False
+        if store.copy_unavailable():
+            return False
+        key = source.key(source_relpath)
+        known = _KNOWN.get((store.url, key))
+        if known is not None and known[1:] == (size, digest):
+            generation = known[0]
+        else:
+            data, generation = store.read_with_generation(key)
+            if data is None or len(data) != size or content_hash(data) != digest:
+                log.warning(
+                    "cairn: %s does not hold what its manifest records; this save uploads the "
+                    "file instead of copying it",
+                    source.describe(source_relpath),
+                )
+                return False
+            _know((store.url, key), (generation, size, digest))
+        copied = store.copy(key, self._prefix + relpath, generation)
+        if copied is None:
+            return False
+        _know((store.url, self._prefix + relpath), (copied, size, digest))
+        return True
 
     def local_directory(self) -> Path:
         if self._local is None:
@@ -658,6 +766,11 @@ class _KvSource(Source):
 
     def describe(self, relpath: str) -> str:
         return f"{self._storage.url}/{self._prefix}{relpath}"
+
+    def key(self, relpath: str) -> str:
+        """The key of `relpath` in the store."""
+        check_relative(relpath)
+        return self._prefix + relpath
 
     def size(self, relpath: str) -> int:
         data = self._storage.store.read(self._prefix + relpath)  # no HEAD in the kvstore API

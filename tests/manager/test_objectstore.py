@@ -44,10 +44,10 @@ def state(step: int) -> dict[str, Any]:
     return {"w": np.arange(3000.0).reshape(30, 100) * step, "step": step}
 
 
-def start_writer(url: str, endpoint: str) -> subprocess.Popen[str]:
+def start_writer(url: str, endpoint: str, *args: str) -> subprocess.Popen[str]:
     """The crash-test writer saving to `url` (async, KeepLatest(2)) with the server's credentials."""
     return subprocess.Popen(
-        [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2"],
+        [sys.executable, str(TESTS / "crash_writer.py"), url, "--keep-latest", "2", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -223,16 +223,21 @@ def test_a_dead_writers_lease_is_taken_over(s3_bucket: str, lease: str) -> None:
     assert store.read(LOCK) is None  # released at close
 
 
-def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoint: str) -> None:
+@pytest.mark.parametrize("incremental", [False, True])
+def test_sigkill_of_the_writer_leaves_only_whole_steps(
+    s3_bucket: str, s3_endpoint: str, incremental: bool
+) -> None:
     """A real writer process saving to the bucket, SIGKILLed three times at random moments; each
     restart takes over the dead writer's lease, removes what the kill left uncommitted, and every
-    listed step restores equal to what was saved."""
+    listed step restores equal to what was saved. With incremental saves, the kills land among
+    server-side copies too, and each restarted writer copies the dead one's files."""
     from crash_writer import expected_state
 
     url = f"{s3_bucket}/crash"
     previous = -1
+    copied = 0
     for trial in range(3):
-        proc = start_writer(url, s3_endpoint)
+        proc = start_writer(url, s3_endpoint, *(["--incremental"] if incremental else []))
         assert proc.stdout is not None
         for _ in range(2 + trial):  # let it save a few steps, then kill it mid-way
             assert proc.stdout.readline().startswith("saved"), proc.stderr.read()  # type: ignore[union-attr]
@@ -243,10 +248,14 @@ def test_sigkill_of_the_writer_leaves_only_whole_steps(s3_bucket: str, s3_endpoi
             assert steps and steps[-1] > previous, (steps, previous)
             for step in steps:
                 assert_tree_equal(mgr.restore(step, fallback=False)["state"], expected_state(step))
+                assert mgr.verify(step) == []
+                tm = mgr.info(step).telemetry
+                copied += tm["bytes_written"] < tm["bytes"]
             previous = steps[-1]
         store = ObjectStore(url, StorageOptions())
         prefixes = {k.split("/")[0] for k in store.list_keys()}
         assert prefixes == {f"checkpoint_{s}" for s in steps}, prefixes  # no uncommitted leftovers
+    assert (copied > 0) == incremental  # every step but a run's first copies the frozen leaf
 
 
 def test_reader_beside_the_writer(s3_bucket: str, s3_endpoint: str) -> None:

@@ -12,7 +12,9 @@ from conftest import Place
 from launcher import launch
 
 from cairn.manager import CheckpointManager
+from cairn.manager._format import MANIFEST
 from cairn.manager._multihost import Processes
+from cairn.manager._objectstore import ObjectStore, StorageOptions
 
 
 def test_single_process_needs_no_coordination() -> None:
@@ -61,14 +63,27 @@ def test_two_processes_save_retain_and_restore_into_other_shardings(place: Place
     assert not [k for k in keys if "process-" in k and "state" not in k], keys
 
 
-def test_incremental_saves_link_each_process_shards(tmp_path: Path) -> None:
+def test_incremental_saves_link_each_process_shards(place: Place) -> None:
     """Two processes save a frozen sharded array three times with incremental=True on a shared
-    directory: every process links its own shard files to the step before (the chunk files of
-    steps 2 and 3 are the inodes step 1 wrote), and each step restores and verifies on both."""
-    results = launch("incremental", tmp_path)
+    directory: every process links (on a bucket: copies on the server) its own shard files from
+    the step before, and each step restores and verifies on both. On disk, the chunk files of
+    steps 2 and 3 are the inodes step 1 wrote."""
+    results = launch("incremental", place.directory)
     for i, r in enumerate(results):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "steps [2, 3]" in r.stdout and f"ok incremental {i}" in r.stdout
+    manifest = ObjectStore if "://" in place.directory else None
+    for step in (2, 3):
+        if manifest is not None:
+            data = manifest(place.directory, StorageOptions()).read(f"checkpoint_{step}/{MANIFEST}")
+        else:
+            data = (Path(place.directory) / f"checkpoint_{step}" / MANIFEST).read_bytes()
+        files = json.loads(data or b"{}")["items"]["state"]["files"]
+        shared = sorted(f["path"] for f in files if f.get("reused"))
+        assert shared == [f"arrays/0/{n}" for n in ("0.0", "0.1", "1.0", "1.1", "zarr.json")]
+    if manifest is not None:
+        return
+    tmp_path = Path(place.directory)
     chunks = sorted((tmp_path / "checkpoint_3" / "state" / "arrays" / "0").iterdir())
     assert [p.name for p in chunks] == ["0.0", "0.1", "1.0", "1.1", "zarr.json"]
     for chunk in chunks:  # both processes' shards: shared by steps 2 and 3 (1 is deleted)
