@@ -72,6 +72,7 @@ bench-overhead: install
 
 bench-incremental: install
 	$(BIN)/python bench/bench_incremental.py
+	$(BIN)/python bench/bench_incremental.py --store s3 --size 256M
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -10,24 +10,31 @@ cases, each a run of saves of a state that changes between saves:
 * **all**: every leaf changes (pretraining).
 
 Systems: cairn writing everything (``incremental=False``), cairn ``incremental=True``, and Orbax
-(which rewrites everything). Each save is timed from ``save()`` to committed, the retired step's
+(which rewrites everything). With ``--store s3`` the two cairn systems save to a bucket of a
+moto S3 server process on 127.0.0.1 started here (incremental saves copy unchanged objects on the
+server), Orbax is left out, and restores read from the bucket (nothing to warm). Each save is timed from ``save()`` to committed, the retired step's
 removal excluded; bytes written are the manifest's ``bytes_written`` for cairn and the step's
 size on disk for Orbax. Per round each system saves once per case, systems rotated; ratios
 against cairn writing everything in the same round. Then the restore of an incremental step
 against that of a full one (files in the page cache), paired by round.
 
-    python bench/bench_incremental.py [--size 1G] [--rounds 5] [--quick] [--markdown]
+    python bench/bench_incremental.py [--size 1G] [--rounds 5] [--store s3] [--quick] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +49,17 @@ SYSTEMS = ("cairn", "cairn-incremental", "orbax")
 
 
 class Cairn(bts.CairnRunner):
-    def __init__(self, directory: Path, abstract: Any, *, incremental: bool) -> None:
+    def __init__(self, directory: Path | str, abstract: Any, *, incremental: bool) -> None:
         from cairn.manager import CheckpointManager, KeepLatest
 
         self.name = "cairn-incremental" if incremental else "cairn"
         self.abstract = abstract
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), incremental=incremental)
+        self.remote = isinstance(directory, str)
+
+    def wait_reclaimed(self, timeout: float = 120.0) -> None:
+        if not self.remote:  # a bucket's deletion is done when the commit thread is
+            super().wait_reclaimed(timeout)
 
     def written(self, step: int) -> float:
         tm = self.mgr.info(step).telemetry
@@ -122,7 +134,41 @@ def advance(state: Any, case: str, lora: list[tuple[str, ...]], k: int) -> Any:
     return jax.block_until_ready(state)
 
 
-def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
+@contextlib.contextmanager
+def s3_bucket() -> Iterator[str]:
+    """A bucket of a moto S3 server process on 127.0.0.1, for the duration; its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # up to a minute for the server to answer
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT"))
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("the moto server did not start within a minute")
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+        }.items():
+            os.environ[key] = value
+        yield "s3://bench"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[str, Any]:
     import jax
 
     state = bts.build_state(label)
@@ -133,11 +179,17 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
     log(f"[{label}] {nbytes >> 20} MiB; lora case changes {len(lora)} params leaves (x3)")
     scratch = SCRATCH / "incremental"
     shutil.rmtree(scratch, ignore_errors=True)
+    systems = SYSTEMS if bucket is None else SYSTEMS[:2]
+
+    def place(name: str) -> Path | str:
+        return scratch / name if bucket is None else f"{bucket}/{name}"
+
     runners: dict[str, Any] = {
-        "cairn": Cairn(scratch / "cairn", abstract, incremental=False),
-        "cairn-incremental": Cairn(scratch / "incremental", abstract, incremental=True),
-        "orbax": Orbax(scratch / "orbax", abstract),
+        "cairn": Cairn(place("cairn"), abstract, incremental=False),
+        "cairn-incremental": Cairn(place("incremental"), abstract, incremental=True),
     }
+    if bucket is None:
+        runners["orbax"] = Orbax(scratch / "orbax", abstract)
     samples: dict[str, list[float]] = {}
 
     def note(key: str, value: float) -> None:
@@ -147,7 +199,7 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
     for rnd in range(rounds + 1):  # round 0 warms up (the staging pool, jit, the page cache)
         for case in CASES:
             state = advance(state, case, lora, step)
-            order = SYSTEMS[rnd % 3 :] + SYSTEMS[: rnd % 3]
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for name in order:
                 runner = runners[name]
                 bts.clean_memory()
@@ -164,7 +216,8 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
             pair = ("cairn", "cairn-incremental")
             for name in pair if rnd % 2 else pair[::-1]:  # the order alternates
                 runner = runners[name]
-                warm(runner.mgr.directory)
+                if bucket is None:
+                    warm(runner.mgr.directory)
                 bts.clean_memory()
                 t0 = now()
                 jax.block_until_ready(runner.restore(step - 1))
@@ -179,7 +232,7 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
 
     paired: dict[str, Any] = {}
     for case in CASES:
-        for name in ("cairn-incremental", "orbax"):
+        for name in systems[1:]:
             paired[f"{case}.{name}.commit_vs_full"] = ratio(
                 f"{case}.{name}.commit_s", f"{case}.cairn.commit_s"
             )
@@ -190,6 +243,8 @@ def run(label: str, rounds: int, log: Any) -> dict[str, Any]:
         "restore.cairn", "restore.cairn-incremental"
     )
     return {
+        "store": "local disk" if bucket is None else "S3 (moto on 127.0.0.1)",
+        "systems": list(systems),
         "bytes": nbytes,
         "lora_leaves": len(lora),
         "lora_bytes": lora_bytes,
@@ -210,7 +265,7 @@ TARGETS = [
 def markdown(result: dict[str, Any]) -> str:
     e = result["entry"]
     lines = [
-        f"**{result['size']}** ({e['bytes'] >> 20} MiB; the lora case changes "
+        f"**{result['size']}**, {e.get('store', 'local disk')} ({e['bytes'] >> 20} MiB; the lora case changes "
         f"{e['lora_leaves']} params leaves and their mu and nu, {e['lora_bytes'] / e['bytes']:.1%} "
         f"of the state), median (min{D}max):",
         "",
@@ -219,7 +274,7 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     s, p = e["samples"], e["paired"]
     for case in CASES:
-        for name in SYSTEMS:
+        for name in e.get("systems", SYSTEMS):
             c, w = s[f"{case}.{name}.commit_s"], s[f"{case}.{name}.written"]
             rc = p.get(f"{case}.{name}.commit_vs_full")
             rw = p.get(f"{case}.{name}.written_vs_full")
@@ -254,10 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1G")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--store", choices=("disk", "s3"), default="disk")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16M, 2 rounds")
     parser.add_argument("--markdown", action="store_true", help="print the JSON as Markdown")
     args = parser.parse_args(argv)
-    path = RESULTS / ("incremental-quick.json" if args.quick else "incremental.json")
+    path = RESULTS / (
+        ("incremental-quick" if args.quick else "incremental")
+        + ("-s3" if args.store == "s3" else "")
+        + ".json"
+    )
     if args.markdown:
         print(markdown(json.loads(path.read_text())))
         return 0
@@ -269,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"{now() - t0:7.1f}s  {msg}", file=sys.stderr, flush=True)
 
-    entry = run(args.size, args.rounds, log)
+    if args.store == "s3":
+        with s3_bucket() as bucket:
+            entry = run(args.size, args.rounds, log, bucket)
+    else:
+        entry = run(args.size, args.rounds, log)
     result = {
         "benchmark": "bench/bench_incremental.py",
         "git": subprocess.run(

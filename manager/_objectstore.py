@@ -697,7 +697,13 @@ def _know(key: tuple[str, str], value: tuple[Any, int, str]) -> None:
 class _KvDestination(Destination):
     """An item's prefix in the store: each file one PUT, straight from the handler's buffers
     (joined into one bytes object, which TensorStore's write takes). In an incremental save, a
-    file the previous step has is a server-side copy of that step's object (`_link`)."""
+    file of at least `COPY_MIN` bytes that the previous step has is a server-side copy of that
+    step's object (`_link`)."""
+
+    #: A copy costs two requests (the check, then the copy), an upload one and its bytes: below
+    #: this size the upload is as quick (measured on moto: 345 files of a 16 MiB state took
+    #: 1.7 to 1.9 times as long to copy as to upload), and its bytes are few.
+    COPY_MIN = 1 << 20
 
     def __init__(self, storage: KvStorage, prefix: str, staging: Callable[[], Path]) -> None:
         super().__init__()
@@ -722,6 +728,8 @@ class _KvDestination(Destination):
         process wrote, copied, or read whole and hashed first (so a replaced or damaged object
         of an older step is uploaded afresh, not copied on). False where it is not made."""
         store = self._storage.store
+        if size < self.COPY_MIN:
+            return False
         if not isinstance(source, _KvSource) or source._storage is not self._storage:
             return False
         if store.copy_unavailable():

@@ -109,7 +109,7 @@ def incremental(procs: Any, directory: str) -> None:
 
     mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
     sharding = NamedSharding(mesh, P("data", "model"))
-    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    full = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # shards of 1 MiB: copied
     frozen = jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
     target = {"frozen": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding)}
     with CheckpointManager(directory, keep=KeepLatest(2), incremental=True) as mgr:
@@ -164,7 +164,7 @@ def count_requests(procs: Any, directory: str) -> None:
     Destination.write_file = counted  # type: ignore[method-assign]
     mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
     sharding = NamedSharding(mesh, P("data", "model"))
-    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    full = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # shards of 1 MiB: copied
     state = {
         name: jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
         for name in ("a", "b", "c")
@@ -329,7 +329,7 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
 
     n = procs.count
     mesh = Mesh(np.array(jax.devices()).reshape(n, 2), ("data", "model"))
-    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    full = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # shards of 1 MiB: copied
 
     def state(step: int) -> Any:
         sharding = NamedSharding(mesh, P("data", "model"))
