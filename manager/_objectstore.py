@@ -145,6 +145,11 @@ class ObjectStore:
         self._spec = spec
         self._kv = ts.KvStore.open(spec, context=context).result()
         self._scheme, self._bucket = scheme, bucket
+        # which service's bucket: two endpoints may serve buckets of one name
+        endpoint = spec.get("endpoint") or (
+            os.environ.get("TENSORSTORE_GCS_HTTP_URL") if scheme == "gs" else None
+        )
+        self.where = f"{self.url} at {endpoint}" if endpoint else self.url
         self._copier: _servercopy.Copier | None = None
         self._copies = True  # until a copy fails for a reason other than the source's change
         self._copier_lock = threading.Lock()
@@ -680,7 +685,7 @@ class _KvPrepared:
 
 
 # Objects whose content this process knows (it wrote, copied or read and hashed them):
-# (store URL, key) -> (generation, size, content hash). An incremental save copies such an
+# (store.where, key) -> (generation, size, content hash). An incremental save copies such an
 # object on the server without reading it, if it is still at that generation.
 _KNOWN: dict[tuple[str, str], tuple[Any, int, str]] = {}
 _KNOWN_LOCK = threading.Lock()
@@ -718,7 +723,7 @@ class _KvDestination(Destination):
         return self._storage.store.write(self._prefix + relpath, data)
 
     def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
-        _know((self._storage.url, self._prefix + relpath), (stored, size, digest))
+        _know((self._storage.store.where, self._prefix + relpath), (stored, size, digest))
 
     def _link(
         self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
@@ -735,7 +740,7 @@ class _KvDestination(Destination):
         if store.copy_unavailable():
             return False
         key = source.key(source_relpath)
-        known = _KNOWN.get((store.url, key))
+        known = _KNOWN.get((store.where, key))
         if known is not None and known[1:] == (size, digest):
             generation = known[0]
         else:
@@ -747,11 +752,11 @@ class _KvDestination(Destination):
                     source.describe(source_relpath),
                 )
                 return False
-            _know((store.url, key), (generation, size, digest))
+            _know((store.where, key), (generation, size, digest))
         copied = store.copy(key, self._prefix + relpath, generation)
         if copied is None:
             return False
-        _know((store.url, self._prefix + relpath), (copied, size, digest))
+        _know((store.where, self._prefix + relpath), (copied, size, digest))
         return True
 
     def local_directory(self) -> Path:
