@@ -744,7 +744,12 @@ class _KvDestination(Destination):
         if known is not None and known[1:] == (size, digest):
             generation = known[0]
         else:
-            data, generation = store.read_with_generation(key)
+            try:
+                data, generation = store.read_with_generation(key)
+            except Exception as e:  # unreachable, denied: upload the bytes, as a full save does
+                where = source.describe(source_relpath)
+                log.warning("cairn: could not read %s (%s); this save uploads it", where, e)
+                return False
             if data is None or len(data) != size or content_hash(data) != digest:
                 log.warning(
                     "cairn: %s does not hold what its manifest records; this save uploads the "
