@@ -692,6 +692,8 @@ class LocalDestination(Destination):
         self.directory = Path(directory)
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
+        #: the files `_link` made: links to a committed step's files, whose content is durable
+        self.linked: list[str] = []
 
     def local_directory(self) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -757,6 +759,8 @@ class LocalDestination(Destination):
         if not stat.S_ISREG(made.st_mode) or (made.st_dev, made.st_ino) != key:
             os.unlink(target)
             return False
+        with self._made_lock:
+            self.linked.append(relpath)
         return True
 
     def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:

@@ -19,7 +19,7 @@ import shutil
 import stat
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import ClassVar
 
@@ -331,12 +331,22 @@ class _Prepared:
     def __init__(self, root: Path, tmp: Path, final: Path, *, owner: bool) -> None:
         self._root, self._tmp, self._final, self._owner = root, tmp, final, owner
         self._synced = False  # every item durable already (sync): the manifest is what is left
+        self._destinations: list[LocalDestination] = []
 
     def destination(self, item: str) -> Destination:
-        return LocalDestination(self._tmp / item)
+        dest = LocalDestination(self._tmp / item)
+        self._destinations.append(dest)
+        return dest
+
+    def _linked(self) -> set[str]:
+        """The files the items linked to a committed step's: their content is durable already
+        (that step's commit fsynced it), and the link itself is the directory entry, which
+        the fsync of its directory makes durable (ext4 and XFS journal the inode's new link
+        count in the same transaction). So they are not fsynced again."""
+        return {os.path.join(d.directory, rel) for d in self._destinations for rel in d.linked}
 
     def sync(self) -> None:
-        fsync_tree(self._tmp)
+        fsync_tree(self._tmp, skip=self._linked())
         self._synced = True
 
     def commit(self, manifest: Manifest) -> None:
@@ -349,7 +359,7 @@ class _Prepared:
             fsync_path(os.fspath(self._tmp / MANIFEST))
             fsync_dir(self._tmp)
         else:
-            fsync_tree(self._tmp)
+            fsync_tree(self._tmp, skip=self._linked())
         appeared = StepAlreadyExistsError(
             f"step {manifest.step}: {self._final} appeared on disk meanwhile"
         )
@@ -372,9 +382,10 @@ _SYNC_THREADS = 8  # fsyncs in flight: the filesystem's journal commits them tog
 _SYNC_ALONE = 64  # up to this many files and directories, one thread fsyncs them
 
 
-def fsync_tree(top: Path) -> None:
+def fsync_tree(top: Path, *, skip: Set[str] = frozenset()) -> None:
     """Make every file and directory under `top` durable: an fsync of each, files before the
-    directories that name them.
+    directories that name them; the files in `skip` (paths as ``os.walk`` joins them) are
+    durable already, and only the directories that name them are fsynced.
 
     Only what the step wrote is flushed: ``syncfs(2)``, one call, would also flush every other
     dirty page of the filesystem (the trainer's logs, its data cache, other jobs' files on a
@@ -386,7 +397,7 @@ def fsync_tree(top: Path) -> None:
     files: list[str] = []
     dirs: list[str] = []
     for dirpath, _dirnames, filenames in os.walk(top, topdown=False, onerror=_raise):
-        files.extend(os.path.join(dirpath, name) for name in filenames)
+        files.extend(p for p in (os.path.join(dirpath, n) for n in filenames) if p not in skip)
         dirs.append(dirpath)
     if len(files) + len(dirs) <= _SYNC_ALONE:  # threads cost more than they save here
         for path in (*files, *dirs):

@@ -258,3 +258,29 @@ def test_a_file_swapped_between_its_check_and_its_link_is_not_kept(
         assert os.lstat(tmp_path / "checkpoint_2" / FROZEN).st_nlink == 1
         assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
         assert mgr.verify(2) == []
+
+
+def test_linked_files_are_not_fsynced_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link's content is durable since the step it comes from was committed: the commit
+    fsyncs the files it wrote and every directory, not the linked files."""
+    from cairn.manager import _posix
+
+    synced: list[str] = []
+    real = _posix.fsync_path
+
+    def counting(path: str, *, directory: bool = False) -> None:
+        synced.append(os.fspath(path))
+        real(path, directory=directory)
+
+    monkeypatch.setattr(_posix, "fsync_path", counting)
+    with CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (1, 2):
+            synced.clear()
+            mgr.save(step, {"state": state(step)})
+            mgr.wait_until_finished()
+            names = {p.split(".tmp-")[-1].partition("/")[2] for p in synced if ".tmp-" in p}
+            assert (FROZEN in names) == (step == 1), (step, sorted(names))
+            assert LORA in names and "state/arrays/0" in names  # written; a directory
+        assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
