@@ -745,7 +745,7 @@ class LocalDestination(Destination):
                         source.describe(source_relpath),
                     )
                     return False
-                _know(key, (checked.st_mtime_ns, size, digest))
+                _KNOWN.put(key, (checked.st_mtime_ns, size, digest))
             target = self.directory / relpath
             self._parent(relpath)
             os.link(source.directory / source_relpath, target, follow_symlinks=False)
@@ -765,7 +765,7 @@ class LocalDestination(Destination):
 
     def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
         info = os.lstat(self.directory / relpath)
-        _know((info.st_dev, info.st_ino), (info.st_mtime_ns, size, digest))
+        _KNOWN.put((info.st_dev, info.st_ino), (info.st_mtime_ns, size, digest))
 
     def _put(self, relpath: str, pieces: list[memoryview]) -> None:
         fd = self._open(relpath)
@@ -798,18 +798,39 @@ DIRECT_MIN = 1 << 20  # smaller files gain nothing from it
 _DIRECT_PIECE = 8 << 20  # one write() call: the unit of a short write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_DIRECT_DEVICES: set[int] = set()  # filesystems that refused O_DIRECT once
+
+
+class KnownFiles:
+    """What this process knows of files it wrote or read (for incremental saves: a file known
+    unchanged is reused without reading it), at most `capacity` entries: the oldest go first,
+    so the newest step's files, the ones the next save reuses, stay. Thread-safe."""
+
+    def __init__(self, capacity: int = 1 << 17) -> None:  # ~40 MB at most
+        self._entries: dict[Any, Any] = {}
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        return self._entries.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._entries.pop(key, None)  # to the end: the newest
+            self._entries[key] = value
+            if len(self._entries) > self._capacity:
+                del self._entries[next(iter(self._entries))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 # Files whose content this process knows (it wrote or hashed them): (device, inode) ->
 # (mtime_ns, size, content hash). An incremental save links such a file without reading it.
-_KNOWN: dict[tuple[int, int], tuple[int, int, str]] = {}
-_KNOWN_LOCK = threading.Lock()
-_KNOWN_MAX = 1 << 20
-
-
-def _know(key: tuple[int, int], value: tuple[int, int, str]) -> None:
-    with _KNOWN_LOCK:
-        if len(_KNOWN) >= _KNOWN_MAX:
-            _KNOWN.clear()
-        _KNOWN[key] = value
+_KNOWN = KnownFiles()
 
 
 def _hash_fd(fd: int) -> str:

@@ -6,7 +6,8 @@ Writing: `Destination` (what a write phase writes through), `LocalDestination`, 
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`, `fsync_path`.
 Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
-kept across saves), `WriteBudget` (``max_write_bytes_per_s``).
+kept across saves), `WriteBudget` (``max_write_bytes_per_s``), `KnownFiles` (what incremental
+saves know of files written before).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
@@ -20,6 +21,7 @@ from cairn.handlers._files import (
     ChecksummedFile,
     Destination,
     FileRecord,
+    KnownFiles,
     LocalDestination,
     LocalSource,
     Source,
@@ -57,6 +59,7 @@ __all__ = [
     "ChecksummedFile",
     "Destination",
     "FileRecord",
+    "KnownFiles",
     "LocalDestination",
     "LocalSource",
     "Source",

@@ -41,7 +41,7 @@ from cairn.handlers.errors import (
     DirectoryLockedError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import check_relative, content_hash, optional
+from cairn.handlers.io import KnownFiles, check_relative, content_hash, optional
 from cairn.manager import _servercopy
 from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
 from cairn.manager._storage import Listed, Reclaim
@@ -687,16 +687,7 @@ class _KvPrepared:
 # Objects whose content this process knows (it wrote, copied or read and hashed them):
 # (store.where, key) -> (generation, size, content hash). An incremental save copies such an
 # object on the server without reading it, if it is still at that generation.
-_KNOWN: dict[tuple[str, str], tuple[Any, int, str]] = {}
-_KNOWN_LOCK = threading.Lock()
-_KNOWN_MAX = 1 << 20
-
-
-def _know(key: tuple[str, str], value: tuple[Any, int, str]) -> None:
-    with _KNOWN_LOCK:
-        if len(_KNOWN) >= _KNOWN_MAX:
-            _KNOWN.clear()
-        _KNOWN[key] = value
+_KNOWN = KnownFiles()
 
 
 class _KvDestination(Destination):
@@ -723,7 +714,7 @@ class _KvDestination(Destination):
         return self._storage.store.write(self._prefix + relpath, data)
 
     def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
-        _know((self._storage.store.where, self._prefix + relpath), (stored, size, digest))
+        _KNOWN.put((self._storage.store.where, self._prefix + relpath), (stored, size, digest))
 
     def _link(
         self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
@@ -757,11 +748,11 @@ class _KvDestination(Destination):
                     source.describe(source_relpath),
                 )
                 return False
-            _know((store.where, key), (generation, size, digest))
+            _KNOWN.put((store.where, key), (generation, size, digest))
         copied = store.copy(key, self._prefix + relpath, generation)
         if copied is None:
             return False
-        _know((store.where, self._prefix + relpath), (copied, size, digest))
+        _KNOWN.put((store.where, self._prefix + relpath), (copied, size, digest))
         return True
 
     def local_directory(self) -> Path:

@@ -284,3 +284,15 @@ def test_linked_files_are_not_fsynced_again(
             assert (FROZEN in names) == (step == 1), (step, sorted(names))
             assert LORA in names and "state/arrays/0" in names  # written; a directory
         assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
+
+
+def test_known_files_keep_the_newest() -> None:
+    """The bounded registry drops its oldest entries first; one put again counts as new."""
+    from cairn.handlers.io import KnownFiles
+
+    known = KnownFiles(capacity=3)
+    for key in "abc":
+        known.put(key, key.upper())
+    known.put("a", "A2")  # a is the newest now
+    known.put("d", "D")  # b, the oldest, goes
+    assert [known.get(k) for k in "abcd"] == ["A2", None, "C", "D"] and len(known) == 3

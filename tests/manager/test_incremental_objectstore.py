@@ -19,6 +19,7 @@ import pytest
 from countproxy import CountingProxy, Request
 from treeutil import assert_tree_equal
 
+from cairn.handlers.io import KnownFiles
 from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest, _objectstore
 from cairn.manager._format import MANIFEST
 from cairn.manager._objectstore import ObjectStore, StorageOptions
@@ -134,7 +135,7 @@ def test_a_new_process_reads_an_object_once_before_copying_it(
     url, proxy = bucket
     with CheckpointManager(url, incremental=True) as mgr:
         save(mgr, proxy, 1)
-    monkeypatch.setattr(_objectstore, "_KNOWN", {})  # as after a restart
+    monkeypatch.setattr(_objectstore, "_KNOWN", KnownFiles())  # as after a restart
     with CheckpointManager(url, incremental=True) as mgr:
         sent = {step: save(mgr, proxy, step) for step in (2, 3)}
     assert records(url, 2)[FROZEN].get("reused") is True
@@ -146,7 +147,7 @@ def test_a_new_process_reads_an_object_once_before_copying_it(
     data = bytearray(store.read(f"checkpoint_3/{FROZEN}") or b"")
     data[7] ^= 0x01
     store.write(f"checkpoint_3/{FROZEN}", bytes(data))
-    monkeypatch.setattr(_objectstore, "_KNOWN", {})
+    monkeypatch.setattr(_objectstore, "_KNOWN", KnownFiles())
     with (
         caplog.at_level(logging.WARNING, logger="cairn"),
         CheckpointManager(url, incremental=True) as mgr,
