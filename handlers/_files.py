@@ -805,7 +805,7 @@ class KnownFiles:
     unchanged is reused without reading it), at most `capacity` entries: the oldest go first,
     so the newest step's files, the ones the next save reuses, stay. Thread-safe."""
 
-    def __init__(self, capacity: int = 1 << 17) -> None:  # ~40 MB at most
+    def __init__(self, capacity: int = 1 << 17) -> None:  # some tens of MB at most
         self._entries: dict[Any, Any] = {}
         self._capacity = capacity
         self._lock = threading.Lock()
