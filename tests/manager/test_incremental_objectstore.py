@@ -191,3 +191,34 @@ def test_memory_store() -> None:
         assert records(url, 2)[FROZEN]["reused"] is True
         assert_tree_equal(host(mgr.restore(2)["state"]), host(state(2)))
         assert mgr.verify(2) == []
+
+
+def test_an_unchanged_jax_array_is_copied_unread_or_written_from_memory(
+    bucket: tuple[str, CountingProxy],
+) -> None:
+    """The same jax.Array object as in the previous save: its chunk is copied on the server by
+    the records that save returned, without hashing its bytes; after its object was replaced
+    by hand, the copy is refused and the chunk is uploaded from the array."""
+    url, proxy = bucket
+    frozen = jnp.arange(FROZEN_BYTES // 4, dtype=jnp.float32)
+    store = ObjectStore(url, StorageOptions())
+
+    def save_same(mgr: CheckpointManager, step: int) -> list[Request]:
+        before = len(proxy.requests())
+        mgr.save(step, {"state": {"frozen": frozen, "lora": jnp.full(1000, float(step))}})
+        mgr.wait_until_finished()
+        return proxy.requests()[before:]
+
+    with CheckpointManager(url, incremental=True) as mgr:
+        for step in (1, 2):
+            sent = save_same(mgr, step)
+        assert records(url, 2)[FROZEN]["reused"] is True
+        assert sum(map(is_copy, sent)) == 1 and uploaded(sent) < FROZEN_BYTES // 10
+        data = bytearray(store.read(f"checkpoint_2/{FROZEN}") or b"")
+        data[0] ^= 0x01
+        store.write(f"checkpoint_2/{FROZEN}", bytes(data))
+        sent = save_same(mgr, 3)
+        assert "reused" not in records(url, 3)[FROZEN]
+        assert not any(map(is_copy, sent)) and uploaded(sent) > FROZEN_BYTES
+        got = mgr.restore(3)["state"]
+        np.testing.assert_array_equal(np.asarray(got["frozen"]), np.asarray(frozen))
