@@ -29,11 +29,9 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,36 +134,18 @@ def advance(state: Any, case: str, lora: list[tuple[str, ...]], k: int) -> Any:
 
 @contextlib.contextmanager
 def s3_bucket() -> Iterator[str]:
-    """A bucket of a moto S3 server process on 127.0.0.1, for the duration; its URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # up to a minute for the server to answer
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT"))
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("the moto server did not start within a minute")
-        for key, value in {
-            "AWS_ACCESS_KEY_ID": "bench",
-            "AWS_SECRET_ACCESS_KEY": "bench",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-        }.items():
-            os.environ[key] = value
-        yield "s3://bench"
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    """A bucket of a moto S3 server process on 127.0.0.1 (bench_objectstore's), for the
+    duration, with the environment pointing cairn at it; its URL."""
+    import bench_objectstore as bo  # its moto server, and tests/s3util's credentials
+
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as workdir:
+        server, endpoint = bo.start_moto(Path(workdir))
+        try:
+            os.environ.update(bo.s3util.CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+            yield f"s3://{bo.make_bucket('s3', endpoint)}"
+        finally:
+            bo.stop(server)
 
 
 def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[str, Any]:
