@@ -26,6 +26,7 @@ import contextvars
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -48,14 +49,40 @@ def round_up(n: int, to: int = PAGE) -> int:
 
 
 class Slab:
-    """One anonymous mapping of `nbytes` (a multiple of the page size), as a uint8 array."""
+    """One mapping of `nbytes` (a multiple of the page size), as a uint8 array.
 
-    def __init__(self, nbytes: int) -> None:
+    Anonymous and private by default. `shared` maps a memfd instead (``writer="process"``): its
+    descriptor, `fd`, goes to the writer process with each save that staged into it, and the
+    memory lives as long as either process maps it or holds the descriptor, so it is freed
+    when both are done with it, however they end. `attach` is the writer's side.
+    """
+
+    def __init__(self, nbytes: int, *, shared: bool = False, fd: int | None = None) -> None:
         self.nbytes = max(PAGE, round_up(nbytes))
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.fd = fd
+        if shared and fd is None:
+            self.fd = os.memfd_create("cairn-stage", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, self.nbytes)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        if self.fd is None:
+            self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED)
+            self._closing = weakref.finalize(self, os.close, self.fd)
         with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults and misses
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, np.uint8)
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int) -> Slab:
+        """The slab whose memfd `fd` (now owned by the slab) another process sent."""
+        if os.fstat(fd).st_size < nbytes:
+            os.close(fd)
+            raise ValueError(f"a staging slab of {nbytes} bytes came with a smaller memfd")
+        return cls(nbytes, fd=fd)
 
     def populate(self) -> None:
         """Fault every page in now: one madvise where the kernel has it, else a write per page.
@@ -70,31 +97,42 @@ class Slab:
 
 
 class Lease:
-    """A slab lent to one snapshot; `release` (idempotent) gives it back to its pool."""
+    """A slab lent to one snapshot; `release` (idempotent) gives it back to its pool. Without a
+    pool (the writer process's copy of a snapshot) it only holds the slab."""
 
-    def __init__(self, pool: StagingPool, key: str, slab: Slab) -> None:
+    def __init__(self, pool: StagingPool | None, key: str, slab: Slab) -> None:
         self.slab = slab
-        self._release = weakref.finalize(self, pool._give_back, key, slab)
+        self._release = (
+            weakref.finalize(self, pool._give_back, key, slab) if pool is not None else None
+        )
 
     def release(self) -> None:
-        self._release()
+        if self._release is not None:
+            self._release()
 
 
 class StagingPool:
     """A manager's staging buffers, reused across saves (see the module docstring).
 
-    `zero_copy=True` makes every lease refused: snapshots keep views of the arrays' buffers (no
+    `shared` (``writer="process"``) puts slabs in memfds the writer process maps, and never
+    keeps views: a slab is mapped at once when none fits. `zero_copy=True` makes every lease refused: snapshots keep views of the arrays' buffers (no
     copy and no memory beyond the state, but JAX declines to donate those buffers until the commit
     ends). `max_bytes` bounds the slabs held, in use or free: a save that would need more keeps
     views, and a warning says so once.
     """
 
     def __init__(
-        self, *, max_bytes: int | None = None, zero_copy: bool = False, remember: bool = False
+        self,
+        *,
+        max_bytes: int | None = None,
+        zero_copy: bool = False,
+        remember: bool = False,
+        shared: bool = False,
     ) -> None:
         self.max_bytes = max_bytes
         self.zero_copy = zero_copy
         self.remembers = remember
+        self.shared = shared  # slabs in memfds, mapped at once (writer="process")
         self._remembered: dict[str, dict[int, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
         self._free: dict[str, list[Slab]] = {}
@@ -156,8 +194,8 @@ class StagingPool:
                             self._in_use,
                         )
                     return None
-            if now:
-                slab = Slab(nbytes)
+            if now or self.shared:  # the writer process cannot read views: copy now
+                slab = Slab(nbytes, shared=self.shared)
                 self._in_use += slab.nbytes
                 return Lease(self, key, slab)
             thread = threading.Thread(

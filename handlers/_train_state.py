@@ -164,6 +164,13 @@ class _Leaf:
     signature: tuple[Any, ...] = ()  # what its files depend on besides its content
     known: Mapping[str, FileRecord] | None = None  # its files as a save wrote them before
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What the writer process gets (``writer="process"``): the data, staged or pickled with
+        the pieces, without the jax arrays and the weak reference, which stay here."""
+        if self.known is not None:
+            raise TypeError("an incremental snapshot cannot be sent to a writer process")
+        return {**self.__dict__, "sources": [], "ref": None}
+
 
 class _StateSnapshot:
     def __init__(
@@ -179,6 +186,21 @@ class _StateSnapshot:
         self._leaves = leaves
         self._lease = lease
         self._staging = staging
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The writer process's copy: the slab (sent as its memfd), not the pool's lease."""
+        slab = self._lease.slab if self._lease is not None else None
+        return {"handler": self._handler, "tree": self._tree, "leaves": self._leaves, "slab": slab}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        slab = state["slab"]
+        lease = Lease(None, "", slab) if slab is not None else None
+        self.__init__(state["handler"], state["tree"], state["leaves"], lease)  # type: ignore[misc]
+
+    def release(self) -> None:
+        """Give the staging slab back to the pool (the writer process has written it)."""
+        if self._lease is not None:
+            self._lease.release()
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)

@@ -13,6 +13,7 @@ The tree (each also subclasses the builtin in brackets, so ``except LookupError`
     │   └── SupersededError                           a newer writable manager of this process took over
     ├── DirectoryLockedError      [RuntimeError]      another writer holds the directory
     ├── CommitError               [RuntimeError]      a background commit failed (the original is chained)
+    ├── WriterProcessError        [RuntimeError]      the writer process (writer="process") died
     ├── BarrierTimeoutError       [TimeoutError]      a process did not reach a barrier in time
     └── MissingDependencyError    [ImportError]       an optional library is not installed (names the extra)
 
@@ -36,6 +37,7 @@ __all__ = [
     "StepNotFoundError",
     "SupersededError",
     "UnsupportedFormatError",
+    "WriterProcessError",
 ]
 
 
@@ -81,6 +83,11 @@ class DirectoryLockedError(CairnError, RuntimeError):
 
 class CommitError(CairnError, RuntimeError):
     """A background commit failed; the original exception is chained as ``__cause__``."""
+
+
+class WriterProcessError(CairnError, RuntimeError):
+    """The writer process of ``writer="process"`` died or could not take a save; the steps it
+    had not committed are not committed (the next save starts a new writer process)."""
 
 
 class BarrierTimeoutError(CairnError, TimeoutError):

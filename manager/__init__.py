@@ -35,6 +35,7 @@ from cairn.manager.errors import (
     StepNotFoundError,
     SupersededError,
     UnsupportedFormatError,
+    WriterProcessError,
 )
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "StepView",
     "SupersededError",
     "UnsupportedFormatError",
+    "WriterProcessError",
     "errors",
     "orbax",
     "speechbrain",

@@ -78,6 +78,7 @@ from cairn.manager._validate import (
     check_max_staging_bytes,
     check_primary_process,
 )
+from cairn.manager._writer import WriterProcess, WriterProcessError, pack_job
 
 log = logging.getLogger("cairn")
 T = TypeVar("T")
@@ -185,8 +186,11 @@ class CheckpointManager:
         max_staging_bytes: int | None = None,
         max_write_bytes_per_s: float | None = None,
         incremental: bool = False,
+        writer: Literal["thread", "process"] = "thread",
     ) -> None:
         target = check_directory(directory)
+        if writer not in ("thread", "process"):
+            raise ValueError(f"writer must be 'thread' or 'process', got {writer!r}")
         self._save_policy: SavePolicy = EveryNSteps(1) if save is None else save
         if policy_kind(self._save_policy) != "save":
             raise TypeError(
@@ -206,10 +210,15 @@ class CheckpointManager:
         self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
         self._timeout = check_barrier_timeout(barrier_timeout)
         self._incremental = check_flag("incremental", incremental)
+        self._in_process = writer == "process" and not self._read_only and self._async
+        if writer == "process":
+            _check_writer_process_options(async_save, zero_copy, incremental)
+        self._remote: WriterProcess | None = None  # writer="process": the current one
         self._staging = StagingPool(
             max_bytes=check_max_staging_bytes(max_staging_bytes),
             zero_copy=check_flag("zero_copy", zero_copy),
             remember=self._incremental,
+            shared=self._in_process,
         )
         self._budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
         try:
@@ -227,6 +236,12 @@ class CheckpointManager:
 
         self._storage = open_storage(target, storage_options)
         self._where = self._storage.url
+        if self._in_process and self._procs.count > 1:
+            self._storage.close()
+            raise ValueError(
+                "writer='process' is for single-process runs so far; this jax.distributed run "
+                f"has {self._procs.count} processes: use writer='thread'"
+            )
         if self._procs.count > 1 and not self._storage.multi_process:
             self._storage.close()
             raise ValueError(
@@ -252,6 +267,11 @@ class CheckpointManager:
         try:
             if self._writer:
                 self._storage.acquire()
+                if self._in_process and self._storage.for_writer_process() is None:
+                    raise ValueError(
+                        f"writer='process' cannot commit into {self._where} yet (a local or "
+                        "shared filesystem only, so far): use writer='thread'"
+                    )
                 self._storage.clean_leftovers(self._names)
                 if given is not None:
                     self._save_root_metadata(given)
@@ -418,13 +438,14 @@ class CheckpointManager:
             log.info(
                 "cairn: save of step %d waited %.1f ms for a pending commit", step, waited * 1e3
             )
+        snapshots: dict[str, tuple[Handler, Any]] = {}
         try:
             self.check_for_errors()  # the commit we waited for may have failed
-            snapshots = {}
             for name, obj in items.items():
                 with _naming_item(name), staging_for(self._staging, name):
                     snapshots[name] = (handlers[name], handlers[name].snapshot(obj))
         except BaseException:
+            _release(snapshots)
             self._slots.release()
             raise
         self._last_save_time = started_at
@@ -443,6 +464,15 @@ class CheckpointManager:
             budget=self._budget,
             incremental=self._incremental,
         )
+        packed = None
+        if self._in_process:
+            try:
+                packed = pack_job(job)
+            except BaseException:
+                _release(snapshots)
+                self._slots.release()
+                raise
+            job.blocked_s = time.monotonic() - entered
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
                 self._slots.release()
@@ -452,9 +482,11 @@ class CheckpointManager:
                 self._run_save(job, reraise=True)
                 return True
             try:
-                self._executor.submit(self._run_save, job, reraise=False)
+                remote = self._hand_to_writer(*packed) if packed is not None else None
+                self._executor.submit(self._run_save, job, reraise=False, remote=remote)
             except BaseException:  # e.g. from an atexit hook after interpreter shutdown began
                 self._catalog.committed(step, None)
+                _release(snapshots)
                 self._slots.release()
                 raise
         if self._preemption is not None and self._preemption.reached(step):
@@ -485,11 +517,41 @@ class CheckpointManager:
             self._procs.broadcast(self._collective("preempted"), decided, self._timeout) == "True"
         )
 
-    def _run_save(self, job: _commit.SaveJob, *, reraise: bool) -> None:
+    def _hand_to_writer(self, payload: bytes, fds: list[int]) -> WriterProcess:
+        """Caller thread (``writer="process"``): send a packed save job to the writer process,
+        starting one if there is none or the last one died; the process it went to."""
+        for attempt in (1, 2):
+            if self._remote is None or self._remote.dead is not None:
+                if self._remote is not None:
+                    self._remote.close()
+                spec = self._storage.for_writer_process()
+                assert spec is not None  # checked at construction
+                self._remote = WriterProcess(
+                    {
+                        **spec[0],
+                        "step_prefix": self._names.prefix,
+                        "step_digits": self._names.digits,
+                        "max_write_bytes_per_s": self._budget.bytes_per_s if self._budget else None,
+                    },
+                    spec[1],
+                )
+            try:
+                self._remote.send(payload, fds)
+            except WriterProcessError:
+                if attempt == 2:
+                    raise
+                continue  # it died since its last answer: a new one takes this save
+            return self._remote
+        raise AssertionError("unreachable")
+
+    def _run_save(
+        self, job: _commit.SaveJob, *, reraise: bool, remote: WriterProcess | None = None
+    ) -> None:
         """Commit thread: commit one step, then apply retention. Errors are kept for the caller.
 
         With several processes the primary commits and applies retention, then tells the others
-        the outcome; they read the directory again.
+        the outcome; they read the directory again. With a writer process (`remote`) the commit
+        is that process's: this thread waits for its answer, then applies retention.
         """
         t0 = time.monotonic()
         procs, outcome_key = self._procs, f"cairn/{job.tmp_name}/outcome"
@@ -497,9 +559,16 @@ class CheckpointManager:
             job.previous = self._newest_intact_before(job.step)
         try:
             try:
-                manifest = _commit.commit_step(
-                    self._storage, self._names, job, procs, timeout_s=self._timeout
-                )
+                manifest: Manifest | None
+                if remote is not None:
+                    try:
+                        manifest = remote.result(job.step)
+                    finally:
+                        _release(job.snapshots)
+                else:
+                    manifest = _commit.commit_step(
+                        self._storage, self._names, job, procs, timeout_s=self._timeout
+                    )
                 if manifest is None:  # not the primary: wait for its word
                     outcome = procs.broadcast(outcome_key, None, self._timeout)
                     if not outcome.startswith("ok "):
@@ -749,6 +818,8 @@ class CheckpointManager:
             for pool in (self._executor, self._reclaimer):
                 if pool is not None:
                     pool.shutdown(wait=True)
+            if self._remote is not None:
+                self._remote.close()
             if self._writer:
                 self._storage.release()
             self._storage.close()
@@ -1205,6 +1276,9 @@ class CheckpointManager:
                 if pool is not None:
                     pool.shutdown(wait=True)
             self._executor = self._reclaimer = None
+            if self._remote is not None:
+                self._remote.close()
+                self._remote = None
             if self._preemption is not None:
                 self._preemption.close()
                 self._preemption = None
@@ -1286,6 +1360,28 @@ def _forget_writer(key: str, manager: CheckpointManager) -> None:
         ref = _WRITERS.get(key)
         if ref is not None and ref() in (manager, None):
             del _WRITERS[key]
+
+
+def _check_writer_process_options(async_save: Any, zero_copy: Any, incremental: Any) -> None:
+    """The options writer="process" cannot go with (the others are checked on their own)."""
+    if async_save is False:
+        raise ValueError("writer='process' commits in the background; it needs async_save=True")
+    if zero_copy is True:
+        raise ValueError(
+            "writer='process' copies the state into shared memory, which the writer process "
+            "reads; zero_copy=True (views of the trainer's arrays) cannot go with it"
+        )
+    if incremental is True:
+        raise ValueError("incremental=True cannot go with writer='process' yet")
+
+
+def _release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
+    """Give the snapshots' staging memory back to the pool (a writer process is done with it,
+    or the save never reached one)."""
+    for _, snapshot in snapshots.values():
+        release = getattr(snapshot, "release", None)
+        if callable(release):
+            release()
 
 
 def _uses_time(policy: Any) -> bool:

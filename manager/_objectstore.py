@@ -461,6 +461,10 @@ class KvStorage:
         if self.lease is not None:
             self.lease.check()
 
+    def for_writer_process(self) -> None:
+        """Not yet: the lease's generation would have to move between two processes."""
+        return None
+
     def local_dir(self) -> Path:
         """A local scratch directory, made on first use and removed by `close`."""
         with self._local_lock:

@@ -21,7 +21,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from cairn.handlers import Destination, LocalDestination, LocalSource, Source, write_file
 from cairn.handlers.errors import (
@@ -42,6 +42,7 @@ from cairn.manager._format import (
 )
 from cairn.manager._orbax_steps import orbax_step
 from cairn.manager._storage import Listed, Reclaim
+from cairn.manager._writer import WRITER_MARK, wait_for_writer
 
 log = logging.getLogger("cairn")
 
@@ -87,6 +88,13 @@ class PosixStorage:
 
     def check_writer(self) -> None:
         """The lock is held until released: nothing can take it away."""
+
+    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
+        """How a writer process opens this directory, and the lock's descriptor it inherits
+        (so the directory stays locked while it commits what a dead trainer handed it)."""
+        if self._lock is None or self._lock._fd is None:
+            return None
+        return {"directory": self.root, "lock_fd": self._lock._fd}, [self._lock._fd]
 
     def close(self) -> None:
         """Nothing local to free."""
@@ -414,6 +422,18 @@ def _raise(error: OSError) -> None:
     raise error
 
 
+WRITER_WAIT_S = 600.0  # how long a new writer waits for an orphaned writer process to finish
+
+
+def _try_lock(fd: int) -> str | None:
+    """Take the lock on `fd`: None, or what its holder wrote into the file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    return None
+
+
 class _DirectoryLock:
     """An advisory flock on ``<root>/.cairn.lock``, held while a writable manager is open.
 
@@ -446,16 +466,21 @@ class _DirectoryLock:
             raise CorruptCheckpointError(
                 f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
             )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        holder = _try_lock(fd)
+        if holder is not None and wait_for_writer(holder, WRITER_WAIT_S):
+            holder = _try_lock(fd)  # the writer is done, or it is still at it after the wait
+        if holder is not None:
             os.close(fd)
-            who = (
-                "this process (a manager not closed?)"
-                if holder == str(os.getpid())
-                else f"pid {holder}"
-            )
+            if holder.split()[0] == str(os.getpid()):
+                who = "this process (a manager not closed?)"
+            elif holder.endswith(WRITER_MARK):
+                trainer, writer = holder.split()[:2]
+                who = (
+                    f"pid {trainer} (with its writer process, pid {writer}; if that trainer "
+                    f"ended, its writer was still committing after a wait of {WRITER_WAIT_S:g} s)"
+                )
+            else:
+                who = f"pid {holder}"
             raise DirectoryLockedError(
                 f"{root} is held by another writable CheckpointManager in {who}; "
                 "open it with read_only=True to read alongside"

@@ -106,6 +106,12 @@ class Storage(Protocol):
         """DirectoryLockedError if this writer lost the directory (a lease taken over)."""
         ...
 
+    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
+        """What a writer process needs to commit into this directory (``writer="process"``):
+        the keyword arguments of its `open_storage` (``directory``, ``lock_fd``) and the
+        descriptors it inherits; None where a writer process cannot commit here."""
+        ...
+
     def clean_leftovers(self, names: StepNames) -> list[str]:
         """Remove what crashed writers left (temporary steps, trash, half-replaced files); the
         writer calls this once, at start-up. Returns what was removed."""

@@ -14,6 +14,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     SupersededError,
     UnsupportedFormatError,
+    WriterProcessError,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "StepNotFoundError",
     "SupersededError",
     "UnsupportedFormatError",
+    "WriterProcessError",
 ]

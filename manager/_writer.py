@@ -1,0 +1,389 @@
+"""A writer process that commits the saves a trainer hands it (``writer="process"``).
+
+The trainer's `save()` copies the state into staging slabs in shared memory (memfds), pickles the
+save job with each slab replaced by its descriptor, and sends both over a Unix socket before it
+returns. From then on the step no longer depends on the trainer: the writer process maps the
+slabs, runs the same commit sequence as the commit thread (`commit_step`), and answers each job,
+in order, with its manifest or its error. When the trainer dies (SIGKILL, OOM, a segfault) its
+end of the socket closes; the writer reads the jobs already sent to the end, commits them, and
+exits. Nothing polls a pid.
+
+The writer holds the directory's lock with the trainer (it inherits the lock's open file), so a
+restarted trainer cannot clean up a step the old writer is still committing: it finds the lock
+file saying ``<trainer pid> <writer pid> cairn-writer``, the trainer gone, and waits for the
+writer to exit (`wait_for_writer`).
+
+Started as ``python -c <_ENTRY> <socket fd>``; a fresh interpreter, not a fork of a
+trainer that runs JAX's threads. It imports what unpickling the jobs needs, no more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cairn.handlers._staging import Slab
+from cairn.handlers.errors import WriterProcessError
+from cairn.manager._format import Manifest
+
+log = logging.getLogger("cairn")
+
+_HEADER = struct.Struct("!QI")  # payload bytes, descriptors sent with the header
+_MAX_FDS = 64  # slabs of one save: one per item at most
+WRITER_MARK = "cairn-writer"  # the lock file: "<trainer pid> <writer pid> cairn-writer"
+
+
+class RemoteTraceback(Exception):
+    """The writer process's traceback of an error, chained to the error the trainer sees."""
+
+    def __str__(self) -> str:
+        return f"\n\nin the writer process:\n{self.args[0]}"
+
+
+# ---------------------------------------------------------------------------- framing
+
+
+def _send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        sent = socket.send_fds(sock, [header], list(fds))
+        if sent != len(header):
+            sock.sendall(header[sent:])
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    parts, got = [], 0
+    while got < n:
+        part = sock.recv(min(n - got, 1 << 20))
+        if not part:
+            return None
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """One message and the descriptors that came with it; None at the end of the stream."""
+    data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    if not data:
+        return None
+    if len(data) < _HEADER.size:
+        rest = _recv_exactly(sock, _HEADER.size - len(data))
+        if rest is None:
+            return None
+        data += rest
+    size, count = _HEADER.unpack(data)
+    if count != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise WriterProcessError(f"a message said {count} descriptors and came with {len(fds)}")
+    payload = _recv_exactly(sock, size)
+    if payload is None:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return payload, fds
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a save job; a shared slab travels as its memfd, not its bytes."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.fds: list[int] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, Slab) and obj.fd is not None:
+            self.fds.append(obj.fd)
+            return ("slab", len(self.fds) - 1, obj.nbytes)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+        super().__init__(file)
+        self.fds = fds
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index, nbytes = pid
+        if kind != "slab":
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        fd, self.fds[index] = self.fds[index], -1  # the slab owns it now
+        return Slab.attach(fd, nbytes)
+
+
+def pack_job(job: Any) -> tuple[bytes, list[int]]:
+    """The bytes and descriptors that hand `job` (a SaveJob) to the writer process; TypeError
+    naming the item whose handler or snapshot cannot be sent."""
+    sendable = dataclasses.replace(job, budget=None, previous=None)
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump(("save", sendable))
+    except Exception as e:
+        for name, pair in job.snapshots.items():  # which item: each alone
+            try:
+                _Pickler(io.BytesIO()).dump(pair)
+            except Exception as why:
+                raise TypeError(
+                    f"item {name!r}: writer='process' sends each item's handler and snapshot "
+                    f"to the writer process, and {pair[0]!r} or its snapshot cannot be pickled "
+                    f"({type(why).__name__}: {why}); use writer='thread' for this run"
+                ) from None
+        raise TypeError(
+            f"writer='process' could not send step {job.step} to the writer process "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return buffer.getvalue(), pickler.fds
+
+
+# ---------------------------------------------------------------------------- the trainer's side
+
+
+class WriterProcess:
+    """The trainer's handle on its writer process.
+
+    Concurrency: `send` runs on the trainer's thread (inside ``save()``), `result` on the
+    manager's commit thread, which reads the answers in the order the jobs were sent; a lock
+    keeps two sends from interleaving. Once the process is gone, `dead` says why, every job
+    not yet answered fails with WriterProcessError, and the manager starts a new process at
+    its next save.
+    """
+
+    def __init__(self, spec: Mapping[str, Any], pass_fds: Sequence[int]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(), *pass_fds),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C for the trainer does not stop its commits
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._send_lock = threading.Lock()
+        self.dead: str | None = None
+        self.pid = self._proc.pid
+        _send(self._sock, pickle.dumps(("init", dict(spec))))
+
+    def __repr__(self) -> str:
+        return f"WriterProcess(pid={self.pid}, dead={self.dead!r})"
+
+    def send(self, payload: bytes, fds: Sequence[int]) -> None:
+        """Hand one packed job over; once this returns, the job is the writer's (its bytes in
+        the socket or read, its slabs' descriptors in the writer's hands)."""
+        with self._send_lock:
+            if self.dead is not None:
+                raise WriterProcessError(self.dead)
+            try:
+                _send(self._sock, payload, fds)
+            except OSError as e:
+                self._died(f"could not take a save ({e})")
+                raise WriterProcessError(self.dead) from None
+
+    def result(self, step: int) -> Manifest:
+        """The writer's answer to the oldest unanswered job (step `step`): its manifest, or
+        its error raised here with the writer's traceback chained."""
+        if self.dead is not None:
+            raise WriterProcessError(f"{self.dead}; step {step} was not committed")
+        why = None
+        try:
+            message = _recv(self._sock)
+        except OSError as e:
+            message, why = None, f"its socket failed ({e})"
+        if message is None:
+            self._died(why)
+            raise WriterProcessError(f"{self.dead}; step {step} was not committed")
+        answer = pickle.loads(message[0])
+        if answer[0] == "committed":
+            if answer[1] != step:
+                raise WriterProcessError(f"the writer answered for step {answer[1]}, not {step}")
+            manifest: Manifest = answer[2]
+            return manifest
+        _, _, error, text = answer
+        error.__cause__ = RemoteTraceback(text)
+        raise error
+
+    def _died(self, why: str | None) -> None:
+        """Record that the process is gone, with its exit status when it has one."""
+        if self.dead is not None:
+            return
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            how = why or "closed its socket"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with status {code}"
+        self.dead = f"the writer process (pid {self.pid}) {how}"
+        log.error("cairn: %s", self.dead)
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Tell the writer no more jobs come (it answers the ones sent, then exits) and wait."""
+        if self._sock.fileno() < 0:
+            return
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error("cairn: the writer process (pid %d) did not exit; killing it", self.pid)
+            self._proc.kill()
+            self._proc.wait()
+        self._sock.close()
+        self.dead = self.dead or "the writer process was closed"
+
+
+def wait_for_writer(holder: str, timeout: float) -> bool:
+    """If the lock file's `holder` text names a trainer that is gone and its writer process,
+    which holds the lock while it commits what the trainer handed it, wait (up to `timeout`
+    seconds) for the writer to exit; whether there was such a writer to wait for."""
+    parts = holder.split()
+    if len(parts) != 3 or parts[2] != WRITER_MARK or not all(p.isdigit() for p in parts[:2]):
+        return False
+    trainer, writer = int(parts[0]), int(parts[1])
+    try:
+        os.kill(trainer, 0)
+    except ProcessLookupError:
+        pass
+    except OSError:  # alive, another user's
+        return False
+    else:  # the trainer is alive: it holds the directory
+        return False
+    try:
+        pidfd = os.pidfd_open(writer)
+    except OSError:  # gone already
+        return True
+    try:
+        log.warning(
+            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
+            "its commits; waiting for it",
+            writer,
+            trainer,
+        )
+        select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return True
+
+
+# ---------------------------------------------------------------------------- the writer's side
+
+
+def _answer(sock: socket.socket, answer: tuple[Any, ...]) -> None:
+    """Send an answer; the trainer may be gone, which changes nothing here."""
+    with contextlib.suppress(OSError):
+        _send(sock, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _failure(step: int, error: BaseException) -> tuple[Any, ...]:
+    text = "".join(traceback.format_exception(error))
+    try:
+        sent = pickle.loads(pickle.dumps(error))
+    except Exception:
+        sent = WriterProcessError(f"{type(error).__name__}: {error}")
+    return ("failed", step, sent, text)
+
+
+_ENTRY = "import sys; from cairn.manager._writer import main; sys.exit(main(int(sys.argv[1])))"
+
+
+def main(sock_fd: int) -> int:
+    """The writer process: commit each job the trainer sends, in order, until it hangs up."""
+    from cairn.handlers._files import lower_thread_priority
+    from cairn.handlers.io import WriteBudget
+    from cairn.manager._commit import commit_step
+    from cairn.manager._format import StepNames
+    from cairn.manager._storage import open_storage
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's Ctrl-C is not ours
+    lower_thread_priority()
+    sock = socket.socket(fileno=sock_fd)
+    first = _recv(sock)
+    if first is None:
+        return 0
+    kind, spec = pickle.loads(first[0])
+    assert kind == "init", kind
+    storage = open_storage(spec["directory"], None)
+    names = StepNames(spec["step_prefix"], spec["step_digits"])
+    rate = spec.get("max_write_bytes_per_s")
+    budget = WriteBudget(rate) if rate is not None else None
+    lock_fd: int | None = spec.get("lock_fd")
+    if lock_fd is not None:
+        _mark_lock(lock_fd)
+    jobs: queue.Queue[Any] = queue.Queue()
+
+    def read() -> None:  # every job sent is taken at once, so a send never waits for a commit
+        while True:
+            try:
+                message = _recv(sock)
+            except OSError:
+                message = None
+            if message is None:  # the trainer closed or died: finish what it sent, then exit
+                jobs.put(None)
+                return
+            payload, fds = message
+            try:
+                jobs.put(_Unpickler(io.BytesIO(payload), fds).load())
+            except Exception as e:
+                jobs.put(("broken", e))
+            finally:
+                for fd in fds:
+                    if fd >= 0:
+                        os.close(fd)
+
+    threading.Thread(target=read, name="cairn-writer-read", daemon=True).start()
+    while True:
+        message = jobs.get()
+        if message is None:
+            break
+        if message[0] == "broken":
+            log.error("cairn: the writer process could not read a save: %s", message[1])
+            _answer(sock, _failure(-1, message[1]))
+            continue
+        job = message[1]
+        job.budget = budget
+        try:
+            manifest = commit_step(storage, names, job)
+        except BaseException as e:
+            log.error("cairn: the writer process failed to commit step %d: %s", job.step, e)
+            _answer(sock, _failure(job.step, e))
+        else:
+            _answer(sock, ("committed", job.step, manifest))
+        del job, message  # the slabs' mappings go with the job
+    storage.close()
+    return 0
+
+
+def _mark_lock(lock_fd: int) -> None:
+    """Say in the lock file that the trainer holds the directory with this writer process, so
+    that a trainer started after this one ended waits for this process (`wait_for_writer`)."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getppid()} {os.getpid()} {WRITER_MARK}".encode(), 0)

@@ -1,0 +1,259 @@
+"""writer="process": a save survives its trainer; a writer that dies or fails is reported and
+replaced; nothing partial is left, and no shared memory outlives the processes."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import writer_trainer
+from writer_items import Killer, Raiser
+
+from cairn.handlers import InMemoryHandler
+from cairn.manager import CheckpointManager, KeepLatest
+from cairn.manager.errors import CommitError, WriterProcessError
+
+TESTS = Path(__file__).resolve().parent.parent
+TRAINER = TESTS / "writer_trainer.py"
+
+
+def wait_exit(pid: int, timeout: float = 120.0) -> None:
+    """Until process `pid` (not our child) has exited; fails after `timeout`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"process {pid} still runs after {timeout} s"
+    finally:
+        os.close(fd)
+
+
+def cairn_memfds() -> list[str]:
+    """This process's descriptors of cairn's staging memfds."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:cairn-stage"):
+            found.append(target)
+    return found
+
+
+def assert_restores(directory: Path, seed: int, steps: list[int], *, writable: bool) -> None:
+    with CheckpointManager(directory, read_only=not writable) as mgr:
+        assert set(steps) <= set(mgr.all_steps()), (steps, mgr.all_steps())
+        for step in mgr.all_steps():
+            got = mgr.restore(step)
+            want = writer_trainer.state(seed, step)
+            for key in ("w", "emb", "b"):
+                np.testing.assert_array_equal(got["state"]["params"][key], want["params"][key])
+            assert got["state"]["step"] == step
+            assert got["meta"] == {"step": step}
+            assert mgr.verify(step) == []
+
+
+def trainer_trial(directory: Path, seed: int, steps: int, *, reopen_at_once: bool) -> None:
+    """A trainer saves `steps` steps and SIGKILLs itself right after the last save() returns:
+    every step handed over commits, and restores equal to what was saved."""
+    out = subprocess.run(
+        [sys.executable, str(TRAINER), str(directory), str(seed), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == -9, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    writer = int(lines["WRITER"])
+    listed = lines.get("LISTED", "").split()
+    # The kill landed while the last step was still the writer's alone.
+    assert f"checkpoint_{steps}" not in listed, listed
+    if reopen_at_once:  # a restarted trainer: it waits for the old writer, then goes on
+        assert_restores(directory, seed, [steps - 1, steps], writable=True)
+        wait_exit(writer, timeout=1)  # it had exited by the time the lock was free
+    else:
+        wait_exit(writer)
+        leftovers = [n for n in os.listdir(directory) if ".tmp-" in n or n.startswith(".trash")]
+        assert leftovers == []
+        assert_restores(directory, seed, [steps - 1, steps], writable=False)
+
+
+def test_handed_over_steps_commit_after_the_trainer_is_killed(tmp_path: Path) -> None:
+    """10 trainers killed microseconds after save() returns (100 in `make soak`)."""
+    for trial in range(10):
+        trainer_trial(
+            tmp_path / str(trial), seed=trial, steps=2 + trial % 3, reopen_at_once=trial % 2 == 0
+        )
+
+
+@pytest.mark.slow
+def test_handed_over_steps_commit_after_the_trainer_is_killed_soak(tmp_path: Path) -> None:
+    for trial in range(100):
+        trainer_trial(
+            tmp_path / str(trial),
+            seed=1000 + trial,
+            steps=2 + trial % 4,
+            reopen_at_once=trial % 2 == 0,
+        )
+
+
+@pytest.fixture
+def importable_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer processes started by this test can import writer_items (the misbehaving items)."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+
+
+def small_state(step: int) -> dict[str, Any]:
+    return {"w": np.full((256, 256), step, np.float32), "b": np.arange(step + 1)}
+
+
+def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_another(
+    tmp_path: Path, importable_items: None
+) -> None:
+    mgr = CheckpointManager(tmp_path, writer="process", handlers={"boom": Killer()})
+    mgr.save(1, {"state": small_state(1)})
+    mgr.wait_until_finished()
+    first = mgr._remote
+    assert first is not None
+    mgr.save(2, {"state": small_state(2), "boom": None})
+    with pytest.raises(CommitError, match="commit of step 2") as info:
+        mgr.wait_until_finished()
+    cause = info.value.__cause__
+    assert isinstance(cause, WriterProcessError)
+    assert f"pid {first.pid}) was killed by SIGKILL" in str(cause)
+    assert "step 2 was not committed" in str(cause)
+    assert mgr.all_steps() == [1]
+    # The step it was writing is no step, and the next start removes what it left.
+    assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint_2")] != []
+    mgr.save(3, {"state": small_state(3)})
+    mgr.wait_until_finished()
+    assert mgr._remote is not first and mgr._remote is not None
+    np.testing.assert_array_equal(mgr.restore(3)["state"]["w"], small_state(3)["w"])
+    mgr.close()
+    with CheckpointManager(tmp_path) as again:
+        assert again.all_steps() == [1, 3]
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_3"]
+
+
+def test_an_error_in_the_writer_reaches_the_trainer_with_its_traceback(
+    tmp_path: Path, importable_items: None
+) -> None:
+    with CheckpointManager(tmp_path, writer="process", handlers={"bad": Raiser()}) as mgr:
+        mgr.save(1, {"state": small_state(1), "bad": None})
+        with pytest.raises(CommitError, match="boom in pid") as info:
+            mgr.wait_until_finished()
+        error = info.value.__cause__
+        assert isinstance(error, ValueError)
+        assert f"handed over by pid {os.getpid()}" in str(error)
+        assert mgr._remote is not None
+        assert f"boom in pid {mgr._remote.pid}" in str(error)  # raised in the writer
+        remote = str(error.__cause__)  # the writer's traceback, from its commit to the raise
+        assert "in commit_step" in remote and "writer_items.py" in remote, remote
+        assert mgr.all_steps() == []
+        assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint_")] == []
+        mgr.save(2, {"state": small_state(2)})  # the same writer goes on
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+
+
+def test_close_ends_the_writer_and_frees_the_shared_memory(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+
+    state = {"w": jnp.arange(1 << 20, dtype=jnp.float32), "n": np.ones((64, 64))}
+    mgr = CheckpointManager(tmp_path, writer="process", keep=KeepLatest(2))
+    for step in range(1, 5):
+        mgr.save(step, {"state": state, "config": {"lr": 0.1, "step": step}})
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [3, 4]  # retention runs in the trainer, after each answer
+    assert cairn_memfds() != []  # the pool keeps its slabs between saves
+    writer = mgr._remote
+    assert writer is not None
+    got = mgr.restore(4)
+    np.testing.assert_array_equal(got["state"]["w"], np.arange(1 << 20, dtype=np.float32))
+    assert got["config"] == {"lr": 0.1, "step": 4}
+    info = mgr.info(4)
+    assert info.telemetry["blocked_s"] > 0
+    mgr.close()
+    wait_exit(writer.pid, timeout=1)
+    assert cairn_memfds() == []
+
+
+def test_a_save_changed_after_it_returned_commits_what_was_handed_over(tmp_path: Path) -> None:
+    """The snapshot is the writer's once save() returns: the trainer's arrays may change."""
+    arr = np.zeros((512, 512), np.float32)
+    with CheckpointManager(tmp_path, writer="process", max_pending=2) as mgr:
+        mgr.save(1, {"state": {"a": arr}})
+        arr[:] = 7  # the NumPy array itself, at once
+        mgr.save(2, {"state": {"a": arr}})
+        arr[:] = 9
+        mgr.wait_until_finished()
+        assert float(mgr.restore(1)["state"]["a"].max()) == 0.0
+        assert float(mgr.restore(2)["state"]["a"].min()) == 7.0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"writer": "proc"}, "writer must be 'thread' or 'process', got 'proc'"),
+        ({"writer": "process", "async_save": False}, "needs async_save=True"),
+        ({"writer": "process", "zero_copy": True}, "zero_copy=True"),
+        ({"writer": "process", "incremental": True}, "incremental=True"),
+    ],
+)
+def test_options_that_cannot_go_with_a_writer_process(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        CheckpointManager(tmp_path, **options)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_object_store_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"cannot commit into memory://wp yet"):
+        CheckpointManager("memory://wp", writer="process")
+
+
+def test_an_item_that_cannot_be_sent_is_refused_by_name_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    with CheckpointManager(tmp_path, writer="process", handlers={"fake": InMemoryHandler()}) as mgr:
+        mgr.save(1, {"state": small_state(1)})
+        mgr.wait_until_finished()
+        with pytest.raises(TypeError, match=r"item 'fake': writer='process' .* cannot be pickled"):
+            mgr.save(2, {"state": small_state(2), "fake": {"x": 1}})
+        assert not mgr.is_saving_in_progress()
+        mgr.save(3, {"state": small_state(3)})  # its slot and staging memory were given back
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]
+
+
+def test_a_second_trainer_is_refused_while_the_first_and_its_writer_live(tmp_path: Path) -> None:
+    """The lock names the live trainer and its writer; nobody waits for a trainer that lives."""
+    with CheckpointManager(tmp_path, writer="process") as mgr:
+        mgr.save(1, {"state": small_state(1)})
+        mgr.wait_until_finished()
+        assert mgr._remote is not None
+        code = (
+            "import sys\n"
+            "from cairn.manager import CheckpointManager\n"
+            "from cairn.manager.errors import DirectoryLockedError\n"
+            "try:\n"
+            f"    CheckpointManager({str(tmp_path)!r})\n"
+            "except DirectoryLockedError as e:\n"
+            "    print(e)\n"
+            "    sys.exit(3)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.returncode == 3, out.stderr
+        assert f"pid {os.getpid()} (with its writer process, pid {mgr._remote.pid}" in out.stdout

@@ -1,0 +1,54 @@
+"""Items whose write misbehaves in a writer process (``writer="process"``); importable there,
+so without jax."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from cairn.handlers import FileRecord
+
+
+class _Misbehaving:
+    version = 1
+
+    def restore(self, stored: Any, target: Any = None) -> Any:
+        return None
+
+    def describe(self, stored: Any) -> dict[str, Any]:
+        return {}
+
+
+class Killer(_Misbehaving):
+    """An item whose write SIGKILLs the process that writes it, after a first file."""
+
+    id = "test.killer"
+
+    def snapshot(self, obj: Any) -> KillerSnapshot:
+        return KillerSnapshot()
+
+
+class KillerSnapshot:
+    def write(self, dest: Any) -> Sequence[FileRecord]:
+        dest.write_file("half.bin", b"x" * 4096)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+class Raiser(_Misbehaving):
+    """An item whose write raises ValueError in the process that writes it."""
+
+    id = "test.raiser"
+
+    def snapshot(self, obj: Any) -> RaiserSnapshot:
+        return RaiserSnapshot(os.getpid())
+
+
+class RaiserSnapshot:
+    def __init__(self, trainer: int) -> None:
+        self.trainer = trainer
+
+    def write(self, dest: Any) -> Sequence[FileRecord]:
+        raise ValueError(f"boom in pid {os.getpid()}, handed over by pid {self.trainer}")
