@@ -24,7 +24,9 @@ bench_train_state.py (172 jax CPU arrays), in one run:
   whether each step's donation happened.
 
 Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy=True``, when
-the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager). Run it
+the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager); on
+request (``--systems``) ``cairn-incremental`` and ``cairn-process`` (``writer="process"``,
+whose writer's CPU is not among cairn's threads: it shows in the training time lost). Run it
 on another cairn with ``PYTHONPATH`` pointing at a tree whose ``cairn/manager`` and
 ``cairn/handlers`` are that version's folders, and ``--label`` to name it (the "before" figures
 in docs/benchmarks.md). Results: bench/results/overhead[-LABEL].json, rich tables, and with
@@ -72,7 +74,14 @@ from _common import (  # sets the environment jax reads at import: before jax
 
 X, D = "\u00d7", "\u2013"  # for the tables
 DEFAULT_PNG = REPO / "docs" / "benchmarks_overhead.png"
-SYSTEMS = ("cairn", "cairn-views", "orbax", "cairn-incremental")  # the last one on request
+WRITER_PNG = REPO / "docs" / "benchmarks_writer.png"  # --label process, with cairn-process
+SYSTEMS = (
+    "cairn",
+    "cairn-views",
+    "orbax",
+    "cairn-incremental",
+    "cairn-process",
+)  # last two on request
 DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
 STEPS = ("decoder", "elementwise")
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -126,6 +135,7 @@ class Cairn(bts.CairnRunner):
             "cairn": {},
             "cairn-views": {"zero_copy": True},
             "cairn-incremental": {"incremental": True},
+            "cairn-process": {"writer": "process"},
         }[name]
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
 
@@ -654,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
 
         plot.plot_overhead(RESULTS / "overhead.json", RESULTS / "overhead-before.json", DEFAULT_PNG)
         print(f"wrote {DEFAULT_PNG}")
+        if (RESULTS / "overhead-process.json").exists():  # the writer process against the thread
+            plot.plot_overhead(RESULTS / "overhead-process.json", Path("-"), WRITER_PNG)
+            print(f"wrote {WRITER_PNG}")
         return 0
     if args.quick:
         args.sizes, args.repeats, args.reps, args.baseline_s = "16M", 2, 2, 0.5

@@ -384,8 +384,9 @@ OVERHEAD_PARTS = [
 def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
     """docs/benchmarks_overhead.png: per size (rows) and train step (columns), the training time
     a save costs, split into its parts (medians, stacked), with the median of the whole loss and
-    its min-max as a whisker; cairn before issue 21 (from `before_json`), cairn now, cairn with
-    zero_copy=True, and Orbax (both from `after_json`'s run)."""
+    its min-max as a whisker; cairn before issue 21 (from `before_json`, if there is one), and
+    from `after_json`'s run the systems it has: cairn now, with zero_copy=True, with
+    writer="process", and Orbax."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,6 +406,7 @@ def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
             for name, text in (
                 ("cairn", "cairn (pool)"),
                 ("cairn-views", "cairn zero_copy"),
+                ("cairn-process", "cairn writer=process"),
                 ("orbax", "Orbax"),
             ):
                 win = after["sizes"][label]["windows"][kind].get(name)

@@ -207,7 +207,8 @@ class CheckpointManager:
         self._names = StepNames(step_prefix, step_digits)
         self._async = check_flag("async_save", async_save)
         self._read_only = check_flag("read_only", read_only)
-        self._slots = threading.BoundedSemaphore(check_max_pending(max_pending))
+        self._max_pending = check_max_pending(max_pending)
+        self._slots = threading.BoundedSemaphore(self._max_pending)
         self._timeout = check_barrier_timeout(barrier_timeout)
         self._incremental = check_flag("incremental", incremental)
         self._in_process = writer == "process" and not self._read_only and self._async
@@ -531,6 +532,7 @@ class CheckpointManager:
                         **spec[0],
                         "step_prefix": self._names.prefix,
                         "step_digits": self._names.digits,
+                        "max_pending": self._max_pending,
                         "max_write_bytes_per_s": self._budget.bytes_per_s if self._budget else None,
                     },
                     spec[1],

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,17 +118,59 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+class _Mapped:
+    """The writer's mappings of the trainer's slabs, kept while the last `keep` jobs use them.
+
+    The trainer reuses its slabs save after save; mapping one afresh for each job would fault
+    its pages into this process's page tables again every time (a quarter million faults per
+    GiB). A slab no recent job used is unmapped, so a slab the trainer freed (its state
+    shrank) is not kept alive here for long. Threads: the reader thread maps, the main
+    thread trims; one lock.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._keep = max(1, keep)
+        self._lock = threading.Lock()
+        self._slabs: dict[tuple[int, int], Slab] = {}
+        self._recent: list[set[tuple[int, int]]] = []
+
+    def get(self, fd: int, nbytes: int, used: set[tuple[int, int]]) -> Slab:
+        """The slab of memfd `fd` (this call owns the descriptor), mapped once."""
+        info = os.fstat(fd)
+        key = (info.st_dev, info.st_ino)
+        used.add(key)
+        with self._lock:
+            slab = self._slabs.get(key)
+            if slab is not None and slab.nbytes == nbytes:
+                os.close(fd)
+                return slab
+        slab = Slab.attach(fd, nbytes)
+        with self._lock:
+            self._slabs[key] = slab
+        return slab
+
+    def done(self, used: set[tuple[int, int]]) -> None:
+        """A job that used `used` is done: unmap what none of the last `keep` jobs used."""
+        with self._lock:
+            self._recent = [*self._recent, used][-self._keep :]
+            wanted = set().union(*self._recent)
+            for key in [k for k in self._slabs if k not in wanted]:
+                del self._slabs[key]
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, fds: list[int], mapped: _Mapped) -> None:
         super().__init__(file)
         self.fds = fds
+        self.mapped = mapped
+        self.used: set[tuple[int, int]] = set()
 
     def persistent_load(self, pid: Any) -> Any:
         kind, index, nbytes = pid
         if kind != "slab":
             raise pickle.UnpicklingError(f"unknown reference {pid!r}")
         fd, self.fds[index] = self.fds[index], -1  # the slab owns it now
-        return Slab.attach(fd, nbytes)
+        return self.mapped.get(fd, nbytes, self.used)
 
 
 def pack_job(job: Any) -> tuple[bytes, list[int]]:
@@ -176,6 +219,7 @@ class WriterProcess:
                 pass_fds=(theirs.fileno(), *pass_fds),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C for the trainer does not stop its commits
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},  # never an accelerator of its own
             )
         except BaseException:
             ours.close()
@@ -186,6 +230,9 @@ class WriterProcess:
         self._send_lock = threading.Lock()
         self.dead: str | None = None
         self.pid = self._proc.pid
+        _OPEN.add(self)
+        if spec.get("lock_fd") is not None:
+            _mark_lock(spec["lock_fd"], self.pid)
         _send(self._sock, pickle.dumps(("init", dict(spec))))
 
     def __repr__(self) -> str:
@@ -218,8 +265,10 @@ class WriterProcess:
             raise WriterProcessError(f"{self.dead}; step {step} was not committed")
         answer = pickle.loads(message[0])
         if answer[0] == "committed":
-            if answer[1] != step:
-                raise WriterProcessError(f"the writer answered for step {answer[1]}, not {step}")
+            if answer[1] != step:  # out of step with the jobs: no later answer can be trusted
+                self._proc.kill()
+                self._died(f"answered for step {answer[1]} when step {step} was due")
+                raise WriterProcessError(f"{self.dead}; step {step} was not committed")
             manifest: Manifest = answer[2]
             return manifest
         _, _, error, text = answer
@@ -235,12 +284,12 @@ class WriterProcess:
         except subprocess.TimeoutExpired:
             code = None
         if code is None:
-            how = why or "closed its socket"
+            how = "closed its socket"
         elif code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
-        self.dead = f"the writer process (pid {self.pid}) {how}"
+        self.dead = f"the writer process (pid {self.pid}) {how}" + (f" ({why})" if why else "")
         log.error("cairn: %s", self.dead)
 
     def close(self, timeout: float = 300.0) -> None:
@@ -257,6 +306,20 @@ class WriterProcess:
             self._proc.wait()
         self._sock.close()
         self.dead = self.dead or "the writer process was closed"
+
+
+_OPEN: weakref.WeakSet[WriterProcess] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A child forked from the trainer (a data loader worker, say) closes its copies of the
+    sockets: the writer sees the hang-up when the trainer ends, not when the last fork does."""
+    for writer in list(_OPEN):
+        writer.dead = "this is a forked child of the trainer that started the writer process"
+        writer._sock.close()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def wait_for_writer(holder: str, timeout: float) -> bool:
@@ -334,10 +397,8 @@ def main(sock_fd: int) -> int:
     names = StepNames(spec["step_prefix"], spec["step_digits"])
     rate = spec.get("max_write_bytes_per_s")
     budget = WriteBudget(rate) if rate is not None else None
-    lock_fd: int | None = spec.get("lock_fd")
-    if lock_fd is not None:
-        _mark_lock(lock_fd)
     jobs: queue.Queue[Any] = queue.Queue()
+    mapped = _Mapped(spec.get("max_pending", 1) + 1)
 
     def read() -> None:  # every job sent is taken at once, so a send never waits for a commit
         while True:
@@ -350,7 +411,8 @@ def main(sock_fd: int) -> int:
                 return
             payload, fds = message
             try:
-                jobs.put(_Unpickler(io.BytesIO(payload), fds).load())
+                unpickler = _Unpickler(io.BytesIO(payload), fds, mapped)
+                jobs.put((*unpickler.load(), unpickler.used))
             except Exception as e:
                 jobs.put(("broken", e))
             finally:
@@ -376,14 +438,15 @@ def main(sock_fd: int) -> int:
             _answer(sock, _failure(job.step, e))
         else:
             _answer(sock, ("committed", job.step, manifest))
-        del job, message  # the slabs' mappings go with the job
+        mapped.done(message[2])
+        del job, message
     storage.close()
     return 0
 
 
-def _mark_lock(lock_fd: int) -> None:
-    """Say in the lock file that the trainer holds the directory with this writer process, so
-    that a trainer started after this one ended waits for this process (`wait_for_writer`)."""
-    with contextlib.suppress(OSError):
-        os.ftruncate(lock_fd, 0)
-        os.pwrite(lock_fd, f"{os.getppid()} {os.getpid()} {WRITER_MARK}".encode(), 0)
+def _mark_lock(lock_fd: int, writer: int) -> None:
+    """Say in the lock file that this trainer holds the directory with writer process `writer`,
+    so that a trainer started after this one ended waits for that process (`wait_for_writer`).
+    Written before the first save is sent, so a trainer killed at once has said it."""
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()} {writer} {WRITER_MARK}".encode(), 0)

@@ -52,3 +52,22 @@ class RaiserSnapshot:
 
     def write(self, dest: Any) -> Sequence[FileRecord]:
         raise ValueError(f"boom in pid {os.getpid()}, handed over by pid {self.trainer}")
+
+
+class Gated(_Misbehaving):
+    """An item whose write waits until someone opens the FIFO its object names for writing."""
+
+    id = "test.gated"
+
+    def snapshot(self, obj: Any) -> GatedSnapshot:
+        return GatedSnapshot(str(obj))
+
+
+class GatedSnapshot:
+    def __init__(self, fifo: str) -> None:
+        self.fifo = fifo
+
+    def write(self, dest: Any) -> Sequence[FileRecord]:
+        with open(self.fifo, "rb") as gate:  # blocks until the test opens it for writing
+            gate.read(1)
+        return [dest.write_file("passed.txt", b"the gate opened")]

@@ -46,12 +46,25 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("seed", type=int)
     parser.add_argument("steps", type=int)
     parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--gate", help="a FIFO the last step's write waits on (writer_items)")
     args = parser.parse_args(argv)
+    handlers = {}
+    if args.gate:
+        from writer_items import Gated
+
+        handlers["gate"] = Gated()
     mgr = CheckpointManager(
-        args.directory, writer="process", max_pending=2, keep=KeepLatest(args.keep)
+        args.directory,
+        writer="process",
+        max_pending=2,
+        keep=KeepLatest(args.keep),
+        handlers=handlers,
     )
     for step in range(1, args.steps + 1):
-        mgr.save(step, {"state": as_jax(state(args.seed, step)), "meta": {"step": step}})
+        items = {"state": as_jax(state(args.seed, step)), "meta": {"step": step}}
+        if args.gate and step == args.steps:
+            items["gate"] = args.gate
+        mgr.save(step, items)
         if step == args.steps:  # what is committed now, then the kill, microseconds later
             print(f"LISTED {' '.join(sorted(os.listdir(args.directory)))}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

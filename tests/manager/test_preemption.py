@@ -16,9 +16,10 @@ from cairn.manager import AnyOf, CheckpointManager, EveryNSteps, OnPreemption
 WORKER = Path(__file__).parent.parent / "preempt_worker.py"
 
 
-def test_sigterm_saves_the_next_step_and_the_trainer_exits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_sigterm_saves_the_next_step_and_the_trainer_exits(tmp_path: Path, writer: str) -> None:
     with subprocess.Popen(
-        [sys.executable, str(WORKER), str(tmp_path), "37"],
+        [sys.executable, str(WORKER), str(tmp_path), "37", writer],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

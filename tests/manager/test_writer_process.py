@@ -3,10 +3,13 @@ replaced; nothing partial is left, and no shared memory outlives the processes."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +65,22 @@ def assert_restores(directory: Path, seed: int, steps: list[int], *, writable: b
             assert mgr.verify(step) == []
 
 
+def run_trainer(directory: Path, *args: str) -> dict[str, str]:
+    """Run writer_trainer.py until it has killed itself; the lines it printed, by first word.
+    Its output goes to files: a pipe would stay open as long as its writer process runs."""
+    out, err = directory.with_suffix(".out"), directory.with_suffix(".err")
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        code = subprocess.Popen(
+            [sys.executable, str(TRAINER), str(directory), *args], stdout=stdout, stderr=stderr
+        ).wait(timeout=300)
+    assert code == -9, err.read_text()[-3000:]
+    return dict(line.split(" ", 1) for line in out.read_text().splitlines() if " " in line)
+
+
 def trainer_trial(directory: Path, seed: int, steps: int, *, reopen_at_once: bool) -> None:
     """A trainer saves `steps` steps and SIGKILLs itself right after the last save() returns:
     every step handed over commits, and restores equal to what was saved."""
-    out = subprocess.run(
-        [sys.executable, str(TRAINER), str(directory), str(seed), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == -9, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    lines = run_trainer(directory, str(seed), str(steps))
     writer = int(lines["WRITER"])
     listed = lines.get("LISTED", "").split()
     # The kill landed while the last step was still the writer's alone.
@@ -257,3 +265,106 @@ def test_a_second_trainer_is_refused_while_the_first_and_its_writer_live(tmp_pat
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert out.returncode == 3, out.stderr
         assert f"pid {os.getpid()} (with its writer process, pid {mgr._remote.pid}" in out.stdout
+
+
+FORKING_TRAINER = """
+import os, signal, sys
+import numpy as np
+from cairn.manager import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], writer="process")
+mgr.save(1, {"state": {"w": np.ones(1000)}})
+mgr.wait_until_finished()
+if os.fork() == 0:  # a data loader worker, say: lives on until the test closes stdin
+    sys.stdin.read()
+    os._exit(0)
+mgr.save(2, {"state": {"w": np.zeros(1000)}})
+print("WRITER", mgr._remote.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_forked_child_of_the_trainer_does_not_keep_the_writer_waiting(tmp_path: Path) -> None:
+    """A fork of the trainer (a data loader worker) closes its copy of the writer's socket, so
+    the writer sees the trainer's death and exits while the fork lives on (without the fork
+    hook the writer waits for the fork: checked by hand)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKING_TRAINER, str(tmp_path / "run")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WRITER "), proc.stderr.read()
+        assert proc.wait(timeout=60) == -9
+        wait_exit(int(line.split()[1]), timeout=60)  # while the fork waits on its stdin
+    finally:
+        proc.stdin.close()  # the fork ends
+        proc.stdout.close()
+        proc.stderr.close()
+    with CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 2]
+
+
+def test_a_restarted_trainer_waits_for_the_old_writer_then_finds_its_step(
+    tmp_path: Path, importable_items: None
+) -> None:
+    """The old writer is held inside its last commit (a FIFO) while the new trainer opens the
+    directory: the new trainer waits, and does not remove the step being committed."""
+    import logging
+
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    directory = tmp_path / "run"
+    writer = int(run_trainer(directory, "7", "2", "--gate", str(fifo))["WRITER"])
+    waiting = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "is finishing its commits; waiting for it" in record.getMessage():
+                waiting.set()
+
+    watch = Watch()
+    logging.getLogger("cairn").addHandler(watch)
+    opened: list[Any] = []
+    thread = threading.Thread(target=lambda: opened.append(CheckpointManager(directory)))
+    try:
+        thread.start()
+        assert waiting.wait(60), "the new trainer did not wait for the old writer"
+        with open(fifo, "wb") as gate:  # let the old writer finish its commit
+            gate.write(b"x")
+        thread.join(120)
+        assert not thread.is_alive()
+    finally:
+        logging.getLogger("cairn").removeHandler(watch)
+        if thread.is_alive():  # failed: end the old writer so the waiting thread ends too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writer, signal.SIGKILL)
+            thread.join(60)
+    mgr = opened[0]
+    try:
+        assert mgr.all_steps() == [1, 2]
+        assert mgr.restore(2, {"state": None})["state"]["step"] == 2
+        assert mgr.verify(2) == []
+    finally:
+        mgr.close()
+    wait_exit(writer, timeout=1)
+
+
+def test_a_newer_manager_in_the_same_process_takes_over_from_one_with_a_writer(
+    tmp_path: Path,
+) -> None:
+    old = CheckpointManager(tmp_path, writer="process")
+    old.save(1, {"state": small_state(1)})
+    writer = old._remote
+    assert writer is not None
+    with CheckpointManager(tmp_path, writer="process") as new:  # waits for step 1, ends the writer
+        assert writer._proc.returncode == 0
+        assert new.all_steps() == [1]
+        new.save(2, {"state": small_state(2)})
+        new.wait_until_finished()
+        assert new._remote is not None and new._remote.pid != writer.pid
+    old.close()
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_2"]
