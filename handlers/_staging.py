@@ -115,9 +115,9 @@ class StagingPool:
     """A manager's staging buffers, reused across saves (see the module docstring).
 
     `shared` (``writer="process"``) puts slabs in memfds the writer process maps, and never
-    keeps views: a slab is mapped at once when none fits. `zero_copy=True` makes every lease refused: snapshots keep views of the arrays' buffers (no
-    copy and no memory beyond the state, but JAX declines to donate those buffers until the commit
-    ends). `max_bytes` bounds the slabs held, in use or free: a save that would need more keeps
+    keeps views: a slab is mapped at once when none fits. `zero_copy=True` makes every lease
+    refused: snapshots keep views of the arrays' buffers (no copy and no memory beyond the
+    state, but JAX declines to donate those buffers until the commit ends). `max_bytes` bounds the slabs held, in use or free: a save that would need more keeps
     views, and a warning says so once.
     """
 

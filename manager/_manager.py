@@ -151,6 +151,10 @@ class CheckpointManager:
     training step on busy cores goes first. Every byte goes through the directory's `Storage`
     (POSIX, object store, memory); the manager never asks which one it is.
 
+    With ``writer="process"`` the write phase and the commit of each save run in a writer
+    process the manager starts (`_writer.WriterProcess`): `save()` sends the save there before it
+    returns, and the commit thread waits for the answers, in order, then applies retention.
+
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError
     otherwise); any number of ``read_only=True`` managers may read alongside it.
@@ -476,6 +480,7 @@ class CheckpointManager:
             job.blocked_s = time.monotonic() - entered
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
+                _release(snapshots)
                 self._slots.release()
                 raise SupersededError(f"save: {self._superseded}")
             self._catalog.start(step)
@@ -527,7 +532,7 @@ class CheckpointManager:
                     self._remote.close()
                 spec = self._storage.for_writer_process()
                 assert spec is not None  # checked at construction
-                self._remote = WriterProcess(
+                self._remote = _start_writer(
                     {
                         **spec[0],
                         "step_prefix": self._names.prefix,
@@ -1375,6 +1380,16 @@ def _check_writer_process_options(async_save: Any, zero_copy: Any, incremental: 
         )
     if incremental is True:
         raise ValueError("incremental=True cannot go with writer='process' yet")
+
+
+def _start_writer(spec: Mapping[str, Any], pass_fds: list[int]) -> WriterProcess:
+    try:
+        return WriterProcess(spec, pass_fds)
+    except OSError as e:
+        raise WriterProcessError(
+            f"could not start a writer process ({type(e).__name__}: {e}); nothing was saved. "
+            "Use writer='thread' where processes cannot be started"
+        ) from e
 
 
 def _release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
