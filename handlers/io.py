@@ -48,7 +48,7 @@ from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
 from cairn.handlers._orbax import read_metadata as read_orbax_metadata
-from cairn.handlers._staging import StagingPool, staging_for
+from cairn.handlers._staging import Slab, StagingPool, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "KnownFiles",
     "LocalDestination",
     "LocalSource",
+    "Slab",
     "Source",
     "StagingPool",
     "StoredItem",

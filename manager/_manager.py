@@ -450,8 +450,7 @@ class CheckpointManager:
                 with _naming_item(name), staging_for(self._staging, name):
                     snapshots[name] = (handlers[name], handlers[name].snapshot(obj))
         except BaseException:
-            _release(snapshots)
-            self._slots.release()
+            self._abandon(snapshots)
             raise
         self._last_save_time = started_at
         tmp_name = None
@@ -474,14 +473,12 @@ class CheckpointManager:
             try:
                 packed = pack_job(job)
             except BaseException:
-                _release(snapshots)
-                self._slots.release()
+                self._abandon(snapshots)
                 raise
             job.blocked_s = time.monotonic() - entered
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
-                _release(snapshots)
-                self._slots.release()
+                self._abandon(snapshots)
                 raise SupersededError(f"save: {self._superseded}")
             self._catalog.start(step)
             if self._executor is None:
@@ -492,8 +489,7 @@ class CheckpointManager:
                 self._executor.submit(self._run_save, job, reraise=False, remote=remote)
             except BaseException:  # e.g. from an atexit hook after interpreter shutdown began
                 self._catalog.committed(step, None)
-                _release(snapshots)
-                self._slots.release()
+                self._abandon(snapshots)
                 raise
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
@@ -523,6 +519,11 @@ class CheckpointManager:
             self._procs.broadcast(self._collective("preempted"), decided, self._timeout) == "True"
         )
 
+    def _abandon(self, snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
+        """A save that stops before its hand-off: its staging memory and its slot go back."""
+        _release(snapshots)
+        self._slots.release()
+
     def _hand_to_writer(self, payload: bytes, fds: list[int]) -> WriterProcess:
         """Caller thread (``writer="process"``): send a packed save job to the writer process,
         starting one if there is none or the last one died; the process it went to."""
@@ -542,6 +543,7 @@ class CheckpointManager:
                     },
                     spec[1],
                 )
+                self._storage.writer_started(self._remote.pid)
             try:
                 self._remote.send(payload, fds)
             except WriterProcessError:

@@ -465,6 +465,9 @@ class KvStorage:
         """Not yet: the lease's generation would have to move between two processes."""
         return None
 
+    def writer_started(self, pid: int) -> None:
+        """Never called: `for_writer_process` says no."""
+
     def local_dir(self) -> Path:
         """A local scratch directory, made on first use and removed by `close`."""
         with self._local_lock:

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import re
+import select
 import shutil
 import stat
 import uuid
@@ -42,7 +43,6 @@ from cairn.manager._format import (
 )
 from cairn.manager._orbax_steps import orbax_step
 from cairn.manager._storage import Listed, Reclaim
-from cairn.manager._writer import WRITER_MARK, wait_for_writer
 
 log = logging.getLogger("cairn")
 
@@ -92,9 +92,17 @@ class PosixStorage:
     def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
         """How a writer process opens this directory, and the lock's descriptor it inherits
         (so the directory stays locked while it commits what a dead trainer handed it)."""
-        if self._lock is None or self._lock._fd is None:
+        if self._lock is None or self._lock.fd is None:
             return None
-        return {"directory": self.root, "lock_fd": self._lock._fd}, [self._lock._fd]
+        return {"directory": self.root}, [self._lock.fd]
+
+    def writer_started(self, pid: int) -> None:
+        """Say in the lock file that writer process `pid` holds the lock with this process, so
+        that a trainer started after this one ended waits for it (`_wait_for_writer`). Called
+        before the first save is sent, so a trainer killed at once has said it."""
+        assert self._lock is not None and self._lock.fd is not None
+        os.ftruncate(self._lock.fd, 0)
+        os.pwrite(self._lock.fd, f"{os.getpid()} {pid} {WRITER_MARK}".encode(), 0)
 
     def close(self) -> None:
         """Nothing local to free."""
@@ -423,6 +431,7 @@ def _raise(error: OSError) -> None:
 
 
 WRITER_WAIT_S = 600.0  # how long a new writer waits for an orphaned writer process to finish
+WRITER_MARK = "cairn-writer"  # the lock file: "<trainer pid> <writer pid> cairn-writer"
 
 
 def _try_lock(fd: int) -> str | None:
@@ -432,6 +441,39 @@ def _try_lock(fd: int) -> str | None:
     except BlockingIOError:
         return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     return None
+
+
+def _wait_for_writer(holder: str, timeout: float) -> bool:
+    """If the lock file's `holder` text names a trainer that is gone and its writer process,
+    which holds the lock while it commits what the trainer handed it, wait (up to `timeout`
+    seconds) for the writer to exit; whether there was such a writer to wait for."""
+    parts = holder.split()
+    if len(parts) != 3 or parts[2] != WRITER_MARK or not all(p.isdigit() for p in parts[:2]):
+        return False
+    trainer, writer = int(parts[0]), int(parts[1])
+    try:
+        os.kill(trainer, 0)
+    except ProcessLookupError:
+        pass
+    except OSError:  # alive, another user's
+        return False
+    else:  # the trainer is alive: it holds the directory
+        return False
+    try:
+        pidfd = os.pidfd_open(writer)
+    except OSError:  # gone already
+        return True
+    try:
+        log.warning(
+            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
+            "its commits; waiting for it",
+            writer,
+            trainer,
+        )
+        select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return True
 
 
 class _DirectoryLock:
@@ -467,7 +509,7 @@ class _DirectoryLock:
                 f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
             )
         holder = _try_lock(fd)
-        if holder is not None and wait_for_writer(holder, WRITER_WAIT_S):
+        if holder is not None and _wait_for_writer(holder, WRITER_WAIT_S):
             holder = _try_lock(fd)  # the writer is done, or it is still at it after the wait
         if holder is not None:
             os.close(fd)
@@ -487,13 +529,13 @@ class _DirectoryLock:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd: int | None = fd
+        self.fd: int | None = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
         _DirectoryLock._held.add(self)
 
     def release(self) -> None:
-        if self._fd is not None:
-            self._fd = None
+        if self.fd is not None:
+            self.fd = None
             self._finalizer()  # closes the descriptor once
 
     @classmethod

@@ -108,8 +108,13 @@ class Storage(Protocol):
 
     def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
         """What a writer process needs to commit into this directory (``writer="process"``):
-        the keyword arguments of its `open_storage` (``directory``, ``lock_fd``) and the
-        descriptors it inherits; None where a writer process cannot commit here."""
+        ``{"directory": ...}`` for its `open_storage`, and the descriptors it inherits (a lock
+        it holds with this process); None where a writer process cannot commit here."""
+        ...
+
+    def writer_started(self, pid: int) -> None:
+        """A writer process `pid` was started for this directory, before any save is sent to
+        it: a storage with a lock records it there (see `for_writer_process`)."""
         ...
 
     def clean_leftovers(self, names: StepNames) -> list[str]:

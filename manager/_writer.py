@@ -8,10 +8,10 @@ in order, with its manifest or its error. When the trainer dies (SIGKILL, OOM, a
 end of the socket closes; the writer reads the jobs already sent to the end, commits them, and
 exits. Nothing polls a pid.
 
-The writer holds the directory's lock with the trainer (it inherits the lock's open file), so a
-restarted trainer cannot clean up a step the old writer is still committing: it finds the lock
-file saying ``<trainer pid> <writer pid> cairn-writer``, the trainer gone, and waits for the
-writer to exit (`wait_for_writer`).
+Where the storage has a lock (POSIX), the writer holds it with the trainer: it inherits the
+descriptors `Storage.for_writer_process` names, and the storage is told its pid
+(`Storage.writer_started`), so that a trainer restarted while the old writer still commits waits
+for it instead of cleaning up the step being committed (see `_posix`).
 
 Started as ``python -c <_ENTRY> <socket fd>``; a fresh interpreter, not a fork of a
 trainer that runs JAX's threads. It imports what unpickling the jobs needs, no more.
@@ -26,7 +26,6 @@ import logging
 import os
 import pickle
 import queue
-import select
 import signal
 import socket
 import struct
@@ -38,15 +37,14 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cairn.handlers._staging import Slab
 from cairn.handlers.errors import WriterProcessError
+from cairn.handlers.io import Slab
 from cairn.manager._format import Manifest
 
 log = logging.getLogger("cairn")
 
 _HEADER = struct.Struct("!QI")  # payload bytes, descriptors sent with the header
 _MAX_FDS = 64  # slabs of one save: one per item at most
-WRITER_MARK = "cairn-writer"  # the lock file: "<trainer pid> <writer pid> cairn-writer"
 
 
 class RemoteTraceback(Exception):
@@ -231,8 +229,6 @@ class WriterProcess:
         self.dead: str | None = None
         self.pid = self._proc.pid
         _OPEN.add(self)
-        if spec.get("lock_fd") is not None:
-            _mark_lock(spec["lock_fd"], self.pid)
         _send(self._sock, pickle.dumps(("init", dict(spec))))
 
     def __repr__(self) -> str:
@@ -322,39 +318,6 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def wait_for_writer(holder: str, timeout: float) -> bool:
-    """If the lock file's `holder` text names a trainer that is gone and its writer process,
-    which holds the lock while it commits what the trainer handed it, wait (up to `timeout`
-    seconds) for the writer to exit; whether there was such a writer to wait for."""
-    parts = holder.split()
-    if len(parts) != 3 or parts[2] != WRITER_MARK or not all(p.isdigit() for p in parts[:2]):
-        return False
-    trainer, writer = int(parts[0]), int(parts[1])
-    try:
-        os.kill(trainer, 0)
-    except ProcessLookupError:
-        pass
-    except OSError:  # alive, another user's
-        return False
-    else:  # the trainer is alive: it holds the directory
-        return False
-    try:
-        pidfd = os.pidfd_open(writer)
-    except OSError:  # gone already
-        return True
-    try:
-        log.warning(
-            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
-            "its commits; waiting for it",
-            writer,
-            trainer,
-        )
-        select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    return True
-
-
 # ---------------------------------------------------------------------------- the writer's side
 
 
@@ -378,8 +341,7 @@ _ENTRY = "import sys; from cairn.manager._writer import main; sys.exit(main(int(
 
 def main(sock_fd: int) -> int:
     """The writer process: commit each job the trainer sends, in order, until it hangs up."""
-    from cairn.handlers._files import lower_thread_priority
-    from cairn.handlers.io import WriteBudget
+    from cairn.handlers.io import WriteBudget, lower_thread_priority
     from cairn.manager._commit import commit_step
     from cairn.manager._format import StepNames
     from cairn.manager._storage import open_storage
@@ -442,11 +404,3 @@ def main(sock_fd: int) -> int:
         del job, message
     storage.close()
     return 0
-
-
-def _mark_lock(lock_fd: int, writer: int) -> None:
-    """Say in the lock file that this trainer holds the directory with writer process `writer`,
-    so that a trainer started after this one ended waits for that process (`wait_for_writer`).
-    Written before the first save is sent, so a trainer killed at once has said it."""
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()} {writer} {WRITER_MARK}".encode(), 0)

@@ -47,6 +47,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("steps", type=int)
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--gate", help="a FIFO the last step's write waits on (writer_items)")
+    parser.add_argument(
+        "--interrupt", action="store_true", help="SIGINT to the process group before the kill"
+    )
     args = parser.parse_args(argv)
     handlers = {}
     if args.gate:
@@ -67,6 +70,9 @@ def main(argv: Sequence[str]) -> int:
         mgr.save(step, items)
         if step == args.steps:  # what is committed now, then the kill, microseconds later
             print(f"LISTED {' '.join(sorted(os.listdir(args.directory)))}", flush=True)
+            if args.interrupt:  # a Ctrl-C at the terminal reaches the trainer's process group
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                os.killpg(os.getpgrp(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == 1:
             assert mgr._remote is not None

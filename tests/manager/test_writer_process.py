@@ -72,7 +72,10 @@ def run_trainer(directory: Path, *args: str) -> dict[str, str]:
     out, err = directory.with_suffix(".out"), directory.with_suffix(".err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
         code = subprocess.Popen(
-            [sys.executable, str(TRAINER), str(directory), *args], stdout=stdout, stderr=stderr
+            [sys.executable, str(TRAINER), str(directory), *args],
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,  # a process group of its own (--interrupt signals it)
         ).wait(timeout=300)
     assert code == -9, err.read_text()[-3000:]
     return dict(line.split(" ", 1) for line in out.read_text().splitlines() if " " in line)
@@ -405,3 +408,12 @@ def test_a_writer_that_cannot_start_fails_the_save_and_changes_nothing(
         mgr.save(1, {"state": small_state(1)})  # the slot and the pool were given back
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1]
+
+
+def test_a_ctrl_c_to_the_trainers_process_group_does_not_stop_its_writer(tmp_path: Path) -> None:
+    """SIGINT to the trainer's process group (a Ctrl-C at the terminal), then the trainer's
+    SIGKILL: the writer, in a session of its own, still commits the step it was handed."""
+    lines = run_trainer(tmp_path / "run", "11", "2", "--interrupt")
+    assert "checkpoint_2" not in lines["LISTED"].split()
+    wait_exit(int(lines["WRITER"]))
+    assert_restores(tmp_path / "run", 11, [1, 2], writable=False)
