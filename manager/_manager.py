@@ -274,8 +274,8 @@ class CheckpointManager:
                 self._storage.acquire()
                 if self._in_process and self._storage.for_writer_process() is None:
                     raise ValueError(
-                        f"writer='process' cannot commit into {self._where} yet (a local or "
-                        "shared filesystem only, so far): use writer='thread'"
+                        f"writer='process' cannot commit into {self._where}: a writer "
+                        "process cannot reach this process's memory; use writer='thread'"
                     )
                 self._storage.clean_leftovers(self._names)
                 if given is not None:

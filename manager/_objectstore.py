@@ -45,6 +45,7 @@ from cairn.handlers.io import KnownFiles, check_relative, content_hash, optional
 from cairn.manager import _servercopy
 from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
 from cairn.manager._storage import Listed, Reclaim
+from cairn.manager._writer import WRITER_WAIT_S, pid_alive, wait_for_orphan
 
 log = logging.getLogger("cairn")
 
@@ -302,28 +303,50 @@ class ObjectStore:
         return bytes(result.value)
 
 
-def _dead_here(owner: str) -> bool:
-    """Whether the lease's owner was a process on this host that no longer runs (a crash)."""
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What a lease object says: until when, whose (``host:pid:id``), and the pid of that
+    trainer's writer process (``writer="process"``), which commits under the same lease."""
 
+    expires: float
+    owner: str
+    writer: int | None = None
 
-def _parse_lease(data: bytes) -> tuple[float, str]:
-    """A lease object's expiry time and owner; (0.0, "unknown") if it does not parse."""
-    try:
-        held = json.loads(data)
-        return float(held["expires"]), str(held["owner"])
-    except (ValueError, KeyError, TypeError):
-        return 0.0, "unknown"
+    @classmethod
+    def parse(cls, data: bytes) -> _Held:
+        """(0.0, "unknown") if it does not parse."""
+        try:
+            held = json.loads(data)
+            writer = held.get("writer")
+            return cls(
+                float(held["expires"]),
+                str(held["owner"]),
+                writer if isinstance(writer, int) and writer > 0 else None,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls(0.0, "unknown")
+
+    def _trainer_here(self) -> int | None:
+        """The owner's pid, if it ran on this host."""
+        host, _, rest = self.owner.partition(":")
+        pid = rest.partition(":")[0]
+        return int(pid) if host == socket.gethostname() and pid.isdigit() else None
+
+    def orphaned_writer(self) -> tuple[int, int] | None:
+        """(trainer, writer) when the owner ran here with a writer process, and has ended."""
+        trainer = self._trainer_here()
+        if trainer is None or self.writer is None or pid_alive(trainer) is not False:
+            return None
+        return trainer, self.writer
+
+    def gone(self) -> bool:
+        """Whether the owner ran on this host and no longer runs, nor its writer (a crash)."""
+        trainer = self._trainer_here()
+        return (
+            trainer is not None
+            and pid_alive(trainer) is False
+            and (self.writer is None or pid_alive(self.writer) is False)
+        )
 
 
 class Lease:
@@ -335,31 +358,79 @@ class Lease:
     (`LEASE_SECONDS` after the last refresh, one hour), or at once when the owner was a process on
     the same host that no longer runs. A writer whose lease was taken over (or deleted) has lost
     it for good: every later check raises DirectoryLockedError, so it commits nothing more.
+
+    A lease is its owner's while the object names that owner. With ``writer="process"`` two
+    processes share it (`for_writer`, `shared`): the writer process refreshes it at each of
+    its commits, the trainer checks it in its retention, so each takes the other's newer
+    generation for its own when the owner is unchanged. The object names the writer's pid
+    (`set_writer`): a trainer started on this host after the owner ended waits for that writer
+    to finish (`wait_for_orphan`) before it takes the lease over; an orphaned writer deletes the
+    lease when it has committed what it was handed.
     """
 
     def __init__(self, store: ObjectStore) -> None:
         self._store, self._seconds = store, LEASE_SECONDS
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._writer: int | None = None
         self._lost: str | None = None
         data, self._generation = store.read_with_generation(LEASE)
         if data is not None:
-            expires, owner = _parse_lease(data)
-            if expires > time.time() and not _dead_here(owner):
+            held = _Held.parse(data)
+            orphan = held.orphaned_writer() if held.expires > time.time() else None
+            if orphan is not None and wait_for_orphan(*orphan, WRITER_WAIT_S):
+                data, self._generation = store.read_with_generation(LEASE)  # it may have gone
+                held = _Held.parse(data) if data is not None else _Held(0.0, "nobody")
+            if held.expires > time.time() and not held.gone():
+                also = f", with its writer process pid {held.writer}" if held.writer else ""
                 raise DirectoryLockedError(
-                    f"{store.url} is held by another writable CheckpointManager ({owner}) until "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))}; open it with "
-                    "read_only=True to read alongside"
+                    f"{store.url} is held by another writable CheckpointManager ({held.owner}"
+                    f"{also}) until "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.expires))}; open "
+                    "it with read_only=True to read alongside"
                 )
         if not self._write():
             raise DirectoryLockedError(f"{store.url}: another writer took the lease first")
 
+    @classmethod
+    def shared(cls, store: ObjectStore, state: Mapping[str, Any]) -> Lease:
+        """The lease a trainer holds (`for_writer`), as its writer process holds it too."""
+        lease = cls.__new__(cls)
+        lease._store, lease._seconds = store, float(state["seconds"])
+        lease._owner, lease._writer = str(state["owner"]), os.getpid()
+        lease._lost, lease._generation = None, state["generation"]
+        return lease
+
+    def for_writer(self) -> dict[str, Any]:
+        """What `shared` needs (picklable)."""
+        return {"owner": self._owner, "generation": self._generation, "seconds": self._seconds}
+
+    def set_writer(self, pid: int) -> None:
+        """Name writer process `pid` in the lease (before it is sent a save)."""
+        self._writer = pid
+        self.refresh()
+
     def _write(self) -> bool:
-        body = json.dumps({"owner": self._owner, "expires": time.time() + self._seconds}).encode()
-        generation = self._store.write(LEASE, body, if_generation=self._generation)
+        body = {"owner": self._owner, "expires": time.time() + self._seconds}
+        if self._writer is not None:
+            body["writer"] = self._writer
+        generation = self._store.write(
+            LEASE, json.dumps(body).encode(), if_generation=self._generation
+        )
         if generation is None:
             return False
         self._generation = generation
         return True
+
+    def _still_ours(self) -> bool:
+        """After a conditional write or a check found another generation: whether the object
+        still names this owner (the other process of a shared lease wrote it); then its
+        generation is ours. Else the lease is lost."""
+        data, generation = self._store.read_with_generation(LEASE)
+        if data is not None and _Held.parse(data).owner == self._owner:
+            self._generation = generation
+            return True
+        self._lose(data)
+        return False
 
     def check(self) -> None:
         """DirectoryLockedError if the lease is no longer this manager's (one read)."""
@@ -367,19 +438,25 @@ class Lease:
             data, generation = self._store.read_with_generation(LEASE)
             if generation == self._generation:
                 return
+            if data is not None and _Held.parse(data).owner == self._owner:
+                self._generation = generation
+                return
             self._lose(data)
         raise DirectoryLockedError(self._lost)
 
     def refresh(self) -> None:
         """Extend the lease by `LEASE_SECONDS`; DirectoryLockedError if it was lost."""
-        if self._lost is None:
-            if self._write():
+        for _ in range(3):  # the other holder of a shared lease may write it meanwhile
+            if self._lost is None and self._write():
                 return
-            self._lose(self._store.read(LEASE))
-        raise DirectoryLockedError(self._lost)
+            if self._lost is not None or not self._still_ours():
+                break
+        raise DirectoryLockedError(
+            self._lost or f"{self._store.url}: the lease {LEASE} changed at each of 3 refreshes"
+        )
 
     def _lose(self, data: bytes | None) -> None:
-        how = "deleted" if data is None else f"taken over by {_parse_lease(data)[1]}"
+        how = "deleted" if data is None else f"taken over by {_Held.parse(data).owner}"
         self._lost = (
             f"{self._store.url}: this manager's lease {LEASE} was {how} (a lease not refreshed "
             f"by a commit for {self._seconds:g} s expires and another writer may take it); it "
@@ -389,7 +466,7 @@ class Lease:
 
     def release(self) -> None:
         """Delete the lease, unless it is no longer this manager's."""
-        if self._lost is None:
+        if self._lost is None and self._still_ours():
             self._store.delete(LEASE, if_generation=self._generation)
 
 
@@ -437,6 +514,7 @@ class KvStorage:
 
     def __init__(self, url: str, options: StorageOptions) -> None:
         self.store = ObjectStore(url, options)
+        self.options = options
         self.url = self.directory = self.identity = self.store.url
         # memory:// is one process's memory: other processes cannot see it.
         self.multi_process = not url.startswith("memory://")
@@ -461,12 +539,27 @@ class KvStorage:
         if self.lease is not None:
             self.lease.check()
 
-    def for_writer_process(self) -> None:
-        """Not yet: the lease's generation would have to move between two processes."""
-        return None
+    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
+        """How a writer process opens this directory and shares the lease (`Lease.shared`);
+        None for ``memory://``, which is this process's memory."""
+        if self.lease is None or not self.multi_process:
+            return None
+        spec = {
+            "directory": self.url,
+            "storage_options": dataclasses.asdict(self.options),
+            "lease": self.lease.for_writer(),
+        }
+        return spec, []
+
+    def join_writer_process(self, spec: Mapping[str, Any]) -> None:
+        """In the writer process: hold the trainer's lease with it."""
+        self.lease = Lease.shared(self.store, spec["lease"])
 
     def writer_started(self, pid: int) -> None:
-        """Never called: `for_writer_process` says no."""
+        """Name writer process `pid` in the lease, so that a trainer started on this host after
+        this one ended waits for it, and its commits count as this trainer's."""
+        assert self.lease is not None
+        self.lease.set_writer(pid)
 
     def local_dir(self) -> Path:
         """A local scratch directory, made on first use and removed by `close`."""

@@ -15,7 +15,6 @@ import fcntl
 import logging
 import os
 import re
-import select
 import shutil
 import stat
 import uuid
@@ -43,6 +42,7 @@ from cairn.manager._format import (
 )
 from cairn.manager._orbax_steps import orbax_step
 from cairn.manager._storage import Listed, Reclaim
+from cairn.manager._writer import WRITER_WAIT_S, wait_for_orphan
 
 log = logging.getLogger("cairn")
 
@@ -95,6 +95,9 @@ class PosixStorage:
         if self._lock is None or self._lock.fd is None:
             return None
         return {"directory": self.root}, [self._lock.fd]
+
+    def join_writer_process(self, spec: Mapping[str, Any]) -> None:
+        """In the writer process: nothing to do; it inherited the lock's descriptor."""
 
     def writer_started(self, pid: int) -> None:
         """Say in the lock file that writer process `pid` holds the lock with this process, so
@@ -430,7 +433,6 @@ def _raise(error: OSError) -> None:
     raise error
 
 
-WRITER_WAIT_S = 600.0  # how long a new writer waits for an orphaned writer process to finish
 WRITER_MARK = "cairn-writer"  # the lock file: "<trainer pid> <writer pid> cairn-writer"
 
 
@@ -450,30 +452,7 @@ def _wait_for_writer(holder: str, timeout: float) -> bool:
     parts = holder.split()
     if len(parts) != 3 or parts[2] != WRITER_MARK or not all(p.isdigit() for p in parts[:2]):
         return False
-    trainer, writer = int(parts[0]), int(parts[1])
-    try:
-        os.kill(trainer, 0)
-    except ProcessLookupError:
-        pass
-    except OSError:  # alive, another user's
-        return False
-    else:  # the trainer is alive: it holds the directory
-        return False
-    try:
-        pidfd = os.pidfd_open(writer)
-    except OSError:  # gone already
-        return True
-    try:
-        log.warning(
-            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
-            "its commits; waiting for it",
-            writer,
-            trainer,
-        )
-        select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    return True
+    return wait_for_orphan(int(parts[0]), int(parts[1]), timeout)
 
 
 class _DirectoryLock:

@@ -108,13 +108,20 @@ class Storage(Protocol):
 
     def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
         """What a writer process needs to commit into this directory (``writer="process"``):
-        ``{"directory": ...}`` for its `open_storage`, and the descriptors it inherits (a lock
-        it holds with this process); None where a writer process cannot commit here."""
+        ``{"directory": ..., "storage_options": ...}`` for its `open_storage` and
+        `join_writer_process`, and the descriptors it inherits (a lock it holds with this
+        process); None where a writer process cannot commit here."""
+        ...
+
+    def join_writer_process(self, spec: Mapping[str, Any]) -> None:
+        """In the writer process, on the storage `open_storage` gave it: hold the directory
+        with the trainer as `spec` (from `for_writer_process`) says (a shared lease)."""
         ...
 
     def writer_started(self, pid: int) -> None:
         """A writer process `pid` was started for this directory, before any save is sent to
-        it: a storage with a lock records it there (see `for_writer_process`)."""
+        it: a storage with a lock or lease records it there, so that a trainer started after
+        this one ended waits for that writer (see `for_writer_process`)."""
         ...
 
     def clean_leftovers(self, names: StepNames) -> list[str]:

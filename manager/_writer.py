@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
 import struct
@@ -196,6 +197,46 @@ def pack_job(job: Any) -> tuple[bytes, list[int]]:
     return buffer.getvalue(), pickler.fds
 
 
+WRITER_WAIT_S = 600.0  # how long a new trainer waits for an orphaned writer process to finish
+
+
+def pid_alive(pid: int) -> bool | None:
+    """Whether process `pid` runs on this host; None when it runs as another user (it may
+    not be signalled, so it is not ours to wait for)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return None
+    return True
+
+
+def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
+    """If `trainer` (a pid on this host) is gone and `writer`, the writer process it started,
+    may still be committing what it was handed, wait up to `timeout` seconds for the writer to
+    exit (on a pidfd: no polling); whether there was such a writer to wait for. A storage that
+    records both pids (the lock file, the lease) calls this before taking over from a trainer
+    that ended, so that it does not clean up the step being committed."""
+    if pid_alive(trainer) is not False:  # the trainer lives: it holds the directory
+        return False
+    try:
+        pidfd = os.pidfd_open(writer)
+    except OSError:  # gone already
+        return True
+    try:
+        log.warning(
+            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
+            "its commits; waiting for it",
+            writer,
+            trainer,
+        )
+        select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return True
+
+
 # ---------------------------------------------------------------------------- the trainer's side
 
 
@@ -292,7 +333,8 @@ class WriterProcess:
         """Tell the writer no more jobs come (it answers the ones sent, then exits) and wait."""
         if self._sock.fileno() < 0:
             return
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), self._send_lock:
+            _send(self._sock, pickle.dumps(("close",)))  # a hang-up without it: the trainer died
             self._sock.shutdown(socket.SHUT_WR)
         try:
             self._proc.wait(timeout=timeout)
@@ -355,7 +397,8 @@ def main(sock_fd: int) -> int:
         return 0
     kind, spec = pickle.loads(first[0])
     assert kind == "init", kind
-    storage = open_storage(spec["directory"], None)
+    storage = open_storage(spec["directory"], spec.get("storage_options"))
+    storage.join_writer_process(spec)
     names = StepNames(spec["step_prefix"], spec["step_digits"])
     rate = spec.get("max_write_bytes_per_s")
     budget = WriteBudget(rate) if rate is not None else None
@@ -374,7 +417,8 @@ def main(sock_fd: int) -> int:
             payload, fds = message
             try:
                 unpickler = _Unpickler(io.BytesIO(payload), fds, mapped)
-                jobs.put((*unpickler.load(), unpickler.used))
+                loaded = unpickler.load()
+                jobs.put(loaded if loaded[0] == "close" else (*loaded, unpickler.used))
             except Exception as e:
                 jobs.put(("broken", e))
             finally:
@@ -383,10 +427,14 @@ def main(sock_fd: int) -> int:
                         os.close(fd)
 
     threading.Thread(target=read, name="cairn-writer-read", daemon=True).start()
+    closed = False  # by the trainer; else it died, and the directory is ours to let go
     while True:
         message = jobs.get()
         if message is None:
             break
+        if message[0] == "close":
+            closed = True
+            continue
         if message[0] == "broken":
             log.error("cairn: the writer process could not read a save: %s", message[1])
             _answer(sock, _failure(-1, message[1]))
@@ -402,5 +450,8 @@ def main(sock_fd: int) -> int:
             _answer(sock, ("committed", job.step, manifest))
         mapped.done(message[2])
         del job, message
+    if not closed:  # an object store's lease: a new trainer need not wait for it to expire
+        with contextlib.suppress(Exception):
+            storage.release()
     storage.close()
     return 0

@@ -1,6 +1,6 @@
 """A trainer that saves with ``writer="process"`` for tests/manager/test_writer_process.py.
 
-``python writer_trainer.py DIR SEED STEPS`` saves steps 1..STEPS (the state of each drawn from
+``python writer_trainer.py DIR SEED STEPS`` (DIR a path or an s3:// or gs:// URL) saves steps 1..STEPS (the state of each drawn from
 SEED and the step), up to two in flight, prints ``WRITER <pid>`` once its writer process runs,
 and SIGKILLs itself right after the last ``save()`` returns: what it handed over must commit.
 """
@@ -40,6 +40,15 @@ def as_jax(tree: dict[str, Any]) -> dict[str, Any]:
     return {**tree, "params": params}
 
 
+def listed(mgr: CheckpointManager, directory: str, step: int) -> list[str]:
+    """The directory's entries; in an object store, the last step's name if it is committed
+    (one GET, where a listing of the bucket would take longer than the commit)."""
+    if "://" not in directory:
+        return sorted(os.listdir(directory))
+    name = mgr._names.format(step)
+    return [name] if mgr._storage.read_step(mgr._names, step) is not None else []
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
@@ -69,7 +78,7 @@ def main(argv: Sequence[str]) -> int:
             items["gate"] = args.gate
         mgr.save(step, items)
         if step == args.steps:  # what is committed now, then the kill, microseconds later
-            print(f"LISTED {' '.join(sorted(os.listdir(args.directory)))}", flush=True)
+            print(f"LISTED {' '.join(listed(mgr, args.directory, step))}", flush=True)
             if args.interrupt:  # a Ctrl-C at the terminal reaches the trainer's process group
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 os.killpg(os.getpgrp(), signal.SIGINT)

@@ -4,13 +4,17 @@ replaced; nothing partial is left, and no shared memory outlives the processes."
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,9 @@ from writer_items import Killer, Raiser
 
 from cairn.handlers import InMemoryHandler
 from cairn.manager import CheckpointManager, KeepLatest
-from cairn.manager.errors import CommitError, WriterProcessError
+from cairn.manager._format import StepNames
+from cairn.manager._objectstore import KvStorage, StorageOptions
+from cairn.manager.errors import CommitError, DirectoryLockedError, WriterProcessError
 
 TESTS = Path(__file__).resolve().parent.parent
 TRAINER = TESTS / "writer_trainer.py"
@@ -53,7 +59,7 @@ def cairn_memfds() -> list[str]:
     return found
 
 
-def assert_restores(directory: Path, seed: int, steps: list[int], *, writable: bool) -> None:
+def assert_restores(directory: Path | str, seed: int, steps: list[int], *, writable: bool) -> None:
     with CheckpointManager(directory, read_only=not writable) as mgr:
         assert set(steps) <= set(mgr.all_steps()), (steps, mgr.all_steps())
         for step in mgr.all_steps():
@@ -66,10 +72,12 @@ def assert_restores(directory: Path, seed: int, steps: list[int], *, writable: b
             assert mgr.verify(step) == []
 
 
-def run_trainer(directory: Path, *args: str) -> dict[str, str]:
+def run_trainer(directory: Path | str, *args: str, logs: Path | None = None) -> dict[str, str]:
     """Run writer_trainer.py until it has killed itself; the lines it printed, by first word.
-    Its output goes to files: a pipe would stay open as long as its writer process runs."""
-    out, err = directory.with_suffix(".out"), directory.with_suffix(".err")
+    Its output goes to files (`logs`, beside a local directory by default): a pipe would stay
+    open as long as its writer process runs."""
+    base = logs or Path(directory)
+    out, err = base.with_suffix(".out"), base.with_suffix(".err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
         code = subprocess.Popen(
             [sys.executable, str(TRAINER), str(directory), *args],
@@ -93,11 +101,17 @@ class Waits(logging.Handler):
 
 
 def trainer_trial(
-    directory: Path, seed: int, steps: int, *, reopen_at_once: bool, waits: Waits
+    directory: Path | str,
+    seed: int,
+    steps: int,
+    *,
+    reopen_at_once: bool,
+    waits: Waits,
+    logs: Path | None = None,
 ) -> None:
     """A trainer saves `steps` steps and SIGKILLs itself right after the last save() returns:
     every step handed over commits, and restores equal to what was saved."""
-    lines = run_trainer(directory, str(seed), str(steps))
+    lines = run_trainer(directory, str(seed), str(steps), logs=logs)
     writer = int(lines["WRITER"])
     listed = lines.get("LISTED", "").split()
     # The kill landed while the last step was still the writer's alone.
@@ -111,33 +125,68 @@ def trainer_trial(
         wait_exit(writer, timeout=1)  # it had exited by the time the lock was free
     else:
         wait_exit(writer)
-        # No step was left half-written. (A .trash-* entry may be: retention runs in the
-        # trainer, and the kill can land while it frees a retired step; the next start removes it.)
-        assert [n for n in os.listdir(directory) if ".tmp-" in n] == []
+        assert_nothing_half_written(directory)
         assert_restores(directory, seed, [steps - 1, steps], writable=False)
 
 
-def trials(tmp_path: Path, count: int, first_seed: int, most_steps: int) -> None:
+def assert_nothing_half_written(directory: Path | str) -> None:
+    """After an orphaned writer exited: no step half-written, and the directory is free."""
+    if isinstance(directory, Path):
+        # (A .trash-* entry may be left: retention runs in the trainer, and the kill can land
+        # while it frees a retired step; the next start removes it.)
+        assert [n for n in os.listdir(directory) if ".tmp-" in n] == []
+        return
+    storage = KvStorage(directory, StorageOptions())
+    try:  # a prefix cairn claimed and never committed (a retired step's may be left, as above)
+        found = storage._scan(StepNames())
+        assert [n for listed, n, deleting in found if listed is None and not deleting] == []
+        # The orphaned writer let the lease go: a trainer on another host need not wait an hour.
+        assert storage.store.read(".cairn.lock") is None
+    finally:
+        storage.close()
+
+
+def trials(
+    place: Callable[[int], Path | str], count: int, first_seed: int, most_steps: int, logs: Path
+) -> None:
     waits = Waits()
     for trial in range(count):
         trainer_trial(
-            tmp_path / str(trial),
+            place(trial),
             seed=first_seed + trial,
             steps=2 + trial % (most_steps - 1),
             reopen_at_once=trial % 2 == 0,
             waits=waits,
+            logs=logs / str(trial),
         )
     print(f"{count} trainers killed; {waits.count} of {count // 2 + count % 2} restarts waited")
 
 
 def test_handed_over_steps_commit_after_the_trainer_is_killed(tmp_path: Path) -> None:
     """10 trainers killed microseconds after save() returns (100 in `make soak`)."""
-    trials(tmp_path, 10, first_seed=0, most_steps=4)
+    trials(lambda trial: tmp_path / str(trial), 10, 0, 4, tmp_path)
 
 
 @pytest.mark.slow
 def test_handed_over_steps_commit_after_the_trainer_is_killed_soak(tmp_path: Path) -> None:
-    trials(tmp_path, 100, first_seed=1000, most_steps=5)
+    trials(lambda trial: tmp_path / str(trial), 100, 1000, 5, tmp_path)
+
+
+@pytest.mark.parametrize(("store", "count"), [("s3", 4), ("gcs", 2)])
+def test_handed_over_steps_commit_to_an_object_store_after_the_trainer_is_killed(
+    tmp_path: Path, request: pytest.FixtureRequest, store: str, count: int
+) -> None:
+    """The same on S3 (moto) and GCS (fake-gcs-server): the writer shares the trainer's lease,
+    a restarted trainer waits for it, and an orphaned writer deletes the lease once done."""
+    bucket = request.getfixturevalue(f"{store}_bucket")
+    trials(lambda trial: f"{bucket}/run{trial}", count, 100, 4, tmp_path)
+
+
+@pytest.mark.slow
+def test_handed_over_steps_commit_to_s3_after_the_trainer_is_killed_soak(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    trials(lambda trial: f"{s3_bucket}/run{trial}", 30, 2000, 5, tmp_path)
 
 
 @pytest.fixture
@@ -253,9 +302,75 @@ def test_options_that_cannot_go_with_a_writer_process(
     assert os.listdir(tmp_path) == []
 
 
-def test_an_object_store_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"cannot commit into memory://wp yet"):
+def test_memory_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"cannot commit into memory://wp: a writer process"):
         CheckpointManager("memory://wp", writer="process")
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def bucket(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_bucket"))
+
+
+def test_on_an_object_store_the_writer_commits_under_the_trainers_lease(bucket: str) -> None:
+    """The writer refreshes the lease at each commit and the trainer's retention checks it:
+    neither takes the other's write for a takeover. The lease names the writer; close
+    deletes it."""
+    url = f"{bucket}/run"
+    mgr = CheckpointManager(url, writer="process", keep=KeepLatest(2), max_pending=2)
+    lease = mgr._storage.store  # type: ignore[attr-defined]
+    for step in range(1, 5):
+        mgr.save(step, {"state": small_state(step), "meta": {"step": step}})
+        held = json.loads(lease.read(".cairn.lock"))
+        assert mgr._remote is not None and held["writer"] == mgr._remote.pid
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [3, 4]  # the trainer's retention, after the writer's commits
+    for step in (3, 4):
+        got = mgr.restore(step)
+        np.testing.assert_array_equal(got["state"]["w"], small_state(step)["w"])
+        assert got["meta"] == {"step": step}
+        assert mgr.verify(step) == []
+    writer = mgr._remote
+    mgr.close()
+    assert writer is not None
+    wait_exit(writer.pid, timeout=1)
+    assert lease.read(".cairn.lock") is None
+    with CheckpointManager(url, read_only=True) as again:
+        assert again.all_steps() == [3, 4]
+
+
+def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refused(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crafted lease: its trainer's pid is gone, its writer's pid is a live process that
+    never exits. A new manager waits for that process (bounded), then refuses, naming it;
+    once that process is gone too, the lease is taken over at once (not after its hour)."""
+    from cairn.manager import _objectstore
+
+    url = f"{s3_bucket}/run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
+    owner = f"{socket.gethostname()}:{gone.pid}:crafted"
+    body = {"owner": owner, "expires": time.time() + 3600, "writer": alive.pid}
+    store.write(".cairn.lock", json.dumps(body).encode())
+    monkeypatch.setattr(_objectstore, "WRITER_WAIT_S", 0.5)
+    try:
+        with pytest.raises(
+            DirectoryLockedError, match=f"{owner}, with its writer process pid {alive.pid}\\)"
+        ):
+            CheckpointManager(url, writer="process")
+        assert json.loads(store.read(".cairn.lock") or b"{}") == body  # untouched
+    finally:
+        assert alive.stdin is not None
+        alive.stdin.close()
+        alive.wait(timeout=30)
+    with CheckpointManager(url, writer="process") as mgr:  # both gone: taken over at once
+        mgr.save(1, {"state": small_state(1)})
+    assert CheckpointManager(url, read_only=True).all_steps() == [1]
 
 
 def test_an_item_that_cannot_be_sent_is_refused_by_name_and_nothing_changes(
@@ -334,15 +449,20 @@ def test_a_forked_child_of_the_trainer_does_not_keep_the_writer_waiting(tmp_path
         assert mgr.all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("store", ["local", "s3"])
 def test_a_restarted_trainer_waits_for_the_old_writer_then_finds_its_step(
-    tmp_path: Path, importable_items: None
+    tmp_path: Path, importable_items: None, request: pytest.FixtureRequest, store: str
 ) -> None:
     """The old writer is held inside its last commit (a FIFO) while the new trainer opens the
-    directory: the new trainer waits, and does not remove the step being committed."""
+    directory: the new trainer waits (for the lock; for the lease, which names the writer),
+    and does not remove the step being committed."""
     fifo = tmp_path / "gate"
     os.mkfifo(fifo)
-    directory = tmp_path / "run"
-    writer = int(run_trainer(directory, "7", "2", "--gate", str(fifo))["WRITER"])
+    directory: Path | str = tmp_path / "run"
+    if store == "s3":
+        directory = f"{request.getfixturevalue('s3_bucket')}/run"
+    logs = tmp_path / "trainer"
+    writer = int(run_trainer(directory, "7", "2", "--gate", str(fifo), logs=logs)["WRITER"])
     waiting = threading.Event()
 
     class Watch(logging.Handler):
