@@ -17,7 +17,7 @@ from typing import Any
 from cairn.handlers import Destination, FileRecord, Handler, Snapshot
 from cairn.handlers.io import WriteBudget, writing_as
 from cairn.manager._format import ItemEntry, Manifest, StepNames
-from cairn.manager._multihost import SINGLE, Processes
+from cairn.manager._multihost import SINGLE, Meetings
 from cairn.manager._storage import Storage
 
 log = logging.getLogger("cairn")
@@ -44,7 +44,7 @@ def commit_step(
     storage: Storage,
     names: StepNames,
     job: SaveJob,
-    procs: Processes = SINGLE,
+    procs: Meetings = SINGLE,
     *,
     timeout_s: float = 300.0,
 ) -> Manifest | None:

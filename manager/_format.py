@@ -27,6 +27,18 @@ METRICS = "metrics.json"
 LOCK = ".cairn.lock"
 ROOT_METADATA = "cairn_metadata.json"  # the directory's own metadata, written once
 TRASH_PREFIX = ".trash-"
+SYNC_PREFIX = ".cairn-sync-"  # how writer processes of a multi-process run meet (_writer)
+_SYNC_RE = re.compile(re.escape(SYNC_PREFIX) + r"[A-Za-z0-9_.\-]+")
+
+
+def check_sync_name(name: str) -> str:
+    """`name` if it names a meeting file of writer processes in the directory's root (one plain
+    component); ValueError otherwise, before anything is removed."""
+    if not isinstance(name, str) or not _SYNC_RE.fullmatch(name):
+        raise ValueError(f"{name!r} is not the name of a writer processes' meeting file")
+    return name
+
+
 _TMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")
 
 

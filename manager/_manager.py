@@ -241,12 +241,6 @@ class CheckpointManager:
 
         self._storage = open_storage(target, storage_options)
         self._where = self._storage.url
-        if self._in_process and self._procs.count > 1:
-            self._storage.close()
-            raise ValueError(
-                "writer='process' is for single-process runs so far; this jax.distributed run "
-                f"has {self._procs.count} processes: use writer='thread'"
-            )
         if self._procs.count > 1 and not self._storage.multi_process:
             self._storage.close()
             raise ValueError(
@@ -540,6 +534,10 @@ class CheckpointManager:
                         "step_digits": self._names.digits,
                         "max_pending": self._max_pending,
                         "max_write_bytes_per_s": self._budget.bytes_per_s if self._budget else None,
+                        "process_index": self._procs.index,
+                        "process_count": self._procs.count,
+                        "primary_index": self._procs.primary_index,
+                        "barrier_timeout": self._timeout,
                     },
                     spec[1],
                 )

@@ -14,13 +14,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 from cairn.handlers.errors import BarrierTimeoutError
 
 log = logging.getLogger("cairn")
 
 __all__ = ["SINGLE", "Processes"]
+
+
+class Meetings(Protocol):
+    """What `commit_step` needs of the processes it commits with: `Processes` (the trainers,
+    through JAX's coordination service) or `_writer.StoredMeetings` (writer processes,
+    through the storage)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def primary(self) -> bool: ...
+
+    def barrier(self, name: str, timeout_s: float) -> None: ...
+
+    def report(self, name: str, value: str) -> None: ...
+
+    def reports(self, name: str) -> list[str]: ...
+
+    def forget(self, name: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

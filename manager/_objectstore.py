@@ -43,7 +43,15 @@ from cairn.handlers.errors import (
 )
 from cairn.handlers.io import KnownFiles, check_relative, content_hash, optional
 from cairn.manager import _servercopy
-from cairn.manager._format import LOCK, MANIFEST, METRICS, Manifest, StepNames
+from cairn.manager._format import (
+    LOCK,
+    MANIFEST,
+    METRICS,
+    SYNC_PREFIX,
+    Manifest,
+    StepNames,
+    check_sync_name,
+)
 from cairn.manager._storage import Listed, Reclaim
 from cairn.manager._writer import WRITER_WAIT_S, pid_alive, wait_for_orphan
 
@@ -542,24 +550,25 @@ class KvStorage:
     def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
         """How a writer process opens this directory and shares the lease (`Lease.shared`);
         None for ``memory://``, which is this process's memory."""
-        if self.lease is None or not self.multi_process:
+        if not self.multi_process:
             return None
         spec = {
             "directory": self.url,
             "storage_options": dataclasses.asdict(self.options),
-            "lease": self.lease.for_writer(),
+            "lease": None if self.lease is None else self.lease.for_writer(),
         }
         return spec, []
 
     def join_writer_process(self, spec: Mapping[str, Any]) -> None:
-        """In the writer process: hold the trainer's lease with it."""
-        self.lease = Lease.shared(self.store, spec["lease"])
+        """In the writer process: hold the trainer's lease with it (the primary's)."""
+        if spec["lease"] is not None:
+            self.lease = Lease.shared(self.store, spec["lease"])
 
     def writer_started(self, pid: int) -> None:
         """Name writer process `pid` in the lease, so that a trainer started on this host after
         this one ended waits for it, and its commits count as this trainer's."""
-        assert self.lease is not None
-        self.lease.set_writer(pid)
+        if self.lease is not None:  # else not the primary of a multi-process run
+            self.lease.set_writer(pid)
 
     def local_dir(self) -> Path:
         """A local scratch directory, made on first use and removed by `close`."""
@@ -644,7 +653,8 @@ class KvStorage:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
         lease), and steps whose deletion a crash interrupted before their manifest went; a
         step committed meanwhile stays."""
-        removed = []
+        removed = self.store.list_range(SYNC_PREFIX, _successor(SYNC_PREFIX))
+        self.store.delete_keys(removed)  # meetings of writer processes that crashed
         for listed, name, claimed in self._scan(names):
             if listed is not None:
                 if claimed and self.store.read(f"{name}/{CLAIM}") == _DELETING:
@@ -733,6 +743,11 @@ class KvStorage:
 
     def read_root_file(self, name: str) -> bytes | None:
         return self.store.read(name)
+
+    def remove_sync_files(self, names: Sequence[str]) -> None:
+        for name in names:
+            check_sync_name(name)
+        self.store.delete_keys(list(names))
 
 
 class _KvPrepared:

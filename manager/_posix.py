@@ -35,9 +35,11 @@ from cairn.manager._format import (
     LOCK,
     MANIFEST,
     METRICS,
+    SYNC_PREFIX,
     TRASH_PREFIX,
     Manifest,
     StepNames,
+    check_sync_name,
     trash_name,
 )
 from cairn.manager._orbax_steps import orbax_step
@@ -89,12 +91,12 @@ class PosixStorage:
     def check_writer(self) -> None:
         """The lock is held until released: nothing can take it away."""
 
-    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
+    def for_writer_process(self) -> tuple[dict[str, Any], list[int]]:
         """How a writer process opens this directory, and the lock's descriptor it inherits
-        (so the directory stays locked while it commits what a dead trainer handed it)."""
-        if self._lock is None or self._lock.fd is None:
-            return None
-        return {"directory": self.root}, [self._lock.fd]
+        (so the directory stays locked while it commits what a dead trainer handed it); none
+        on the other processes of a multi-process run, which do not hold the lock."""
+        held = self._lock is not None and self._lock.fd is not None
+        return {"directory": self.root}, [self._lock.fd] if held else []  # type: ignore[union-attr,list-item]
 
     def join_writer_process(self, spec: Mapping[str, Any]) -> None:
         """In the writer process: nothing to do; it inherited the lock's descriptor."""
@@ -103,7 +105,8 @@ class PosixStorage:
         """Say in the lock file that writer process `pid` holds the lock with this process, so
         that a trainer started after this one ended waits for it (`_wait_for_writer`). Called
         before the first save is sent, so a trainer killed at once has said it."""
-        assert self._lock is not None and self._lock.fd is not None
+        if self._lock is None or self._lock.fd is None:
+            return  # not the primary of a multi-process run
         os.ftruncate(self._lock.fd, 0)
         os.pwrite(self._lock.fd, f"{os.getpid()} {pid} {WRITER_MARK}".encode(), 0)
 
@@ -276,6 +279,11 @@ class PosixStorage:
         fsync_dir(self.root)
         return True
 
+    def remove_sync_files(self, names: Sequence[str]) -> None:
+        """Remove meeting files of writer processes (`_writer.StoredMeetings`), never followed."""
+        for name in [check_sync_name(name) for name in names]:
+            (self.root / name).unlink(missing_ok=True)
+
     def read_root_file(self, name: str) -> bytes | None:
         try:
             return read_no_follow(self.root / name)
@@ -292,7 +300,9 @@ class PosixStorage:
         replacements of a step's manifest or metrics."""
         removed = []
         for entry in os.scandir(self.root):
-            if entry.name.startswith((TRASH_PREFIX, _ROOT_TMP)) or names.is_temporary(entry.name):
+            if entry.name.startswith((TRASH_PREFIX, _ROOT_TMP, SYNC_PREFIX)) or names.is_temporary(
+                entry.name
+            ):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
                 else:

@@ -185,6 +185,11 @@ class Storage(Protocol):
         False if it did (then it is left as it is)."""
         ...
 
+    def remove_sync_files(self, names: Sequence[str]) -> None:
+        """Remove these meeting files of writer processes (`_writer.StoredMeetings`), made
+        with `create_root_file`; ValueError for any other name, before anything is removed."""
+        ...
+
     def read_root_file(self, name: str) -> bytes | None:
         """The bytes of the file `name` beside the steps, or None if there is none."""
         ...

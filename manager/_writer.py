@@ -33,14 +33,15 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cairn.handlers.errors import WriterProcessError
+from cairn.handlers.errors import BarrierTimeoutError, WriterProcessError
 from cairn.handlers.io import Slab
-from cairn.manager._format import Manifest
+from cairn.manager._format import SYNC_PREFIX, Manifest, check_sync_name
 
 log = logging.getLogger("cairn")
 
@@ -287,9 +288,10 @@ class WriterProcess:
                 self._died(f"could not take a save ({e})")
                 raise WriterProcessError(self.dead) from None
 
-    def result(self, step: int) -> Manifest:
-        """The writer's answer to the oldest unanswered job (step `step`): its manifest, or
-        its error raised here with the writer's traceback chained."""
+    def result(self, step: int) -> Manifest | None:
+        """The writer's answer to the oldest unanswered job (step `step`): its manifest (None
+        from a process that is not the primary of a multi-process run), or its error raised
+        here with the writer's traceback chained."""
         if self.dead is not None:
             raise WriterProcessError(f"{self.dead}; step {step} was not committed")
         why = None
@@ -306,7 +308,7 @@ class WriterProcess:
                 self._proc.kill()
                 self._died(f"answered for step {answer[1]} when step {step} was due")
                 raise WriterProcessError(f"{self.dead}; step {step} was not committed")
-            manifest: Manifest = answer[2]
+            manifest: Manifest | None = answer[2]
             return manifest
         _, _, error, text = answer
         error.__cause__ = RemoteTraceback(text)
@@ -360,6 +362,93 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+class StoredMeetings:
+    """How the writer processes of a multi-process run meet in `commit_step`, in place of the
+    trainers' `Processes` (a writer cannot join the trainers' coordination service, and must
+    meet the others when every trainer is gone): through small files in the checkpoint
+    directory (`Storage.create_root_file`), ``.cairn-sync-<temporary name>.<meeting>.<index>``.
+
+    `commit_step` meets twice, and each meeting waits one way only:
+    - a barrier with no report before it (the step is claimed): the primary posts a marker,
+      the others wait for it before they write;
+    - reports, then a barrier (the writes are done): each process posts its report, the
+      primary waits for them all; the others go on at once, as nothing after it is theirs.
+    So nobody waits for a file the primary may have removed already: `forget` (the primary's,
+    after the commit or its failure) removes every file of the step. A crash leaves some, which
+    the next writer's `clean_leftovers` removes. Waits poll the storage (there is nothing to
+    be notified by), from 5 ms to 200 ms apart, until the barrier timeout.
+    """
+
+    def __init__(self, storage: Any, index: int, count: int, primary_index: int) -> None:
+        self.storage, self.index, self.count = storage, index, count
+        self.primary_index = primary_index
+        self._reported: set[str] = set()
+        self._files: set[str] = set()
+
+    @property
+    def primary(self) -> bool:
+        return self.index == self.primary_index
+
+    def _file(self, name: str, index: int) -> str:
+        meeting = name.removeprefix("cairn/").replace("/", ".")
+        file = check_sync_name(f"{SYNC_PREFIX}{meeting}.{index}")
+        self._files.add(file)
+        return file
+
+    def _post(self, name: str, body: str) -> None:
+        if not self.storage.create_root_file(self._file(name, self.index), body.encode()):
+            raise BarrierTimeoutError(f"process {self.index}: {name!r} was posted already")
+
+    def _wait(self, name: str, indices: Sequence[int], timeout_s: float) -> list[bytes]:
+        files = [self._file(name, i) for i in indices]
+        found: dict[str, bytes] = {}
+        deadline, pause = time.monotonic() + timeout_s, 0.005
+        while True:
+            for file in files:
+                if file not in found:
+                    data = self.storage.read_root_file(file)
+                    if data is not None:
+                        found[file] = data
+            if len(found) == len(files):
+                return [found[f] for f in files]
+            if time.monotonic() > deadline:
+                missing = [i for i, f in zip(indices, files, strict=True) if f not in found]
+                raise BarrierTimeoutError(
+                    f"writer process of process {self.index} of {self.count}: processes "
+                    f"{missing} did not reach {name!r} within {timeout_s:g} s"
+                )
+            time.sleep(pause)  # polling the storage: it has no notifications
+            pause = min(pause * 2, 0.2)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        if name in self._reported:  # reports, then a barrier: the primary gathers them
+            if self.primary:
+                self._wait(name, range(self.count), timeout_s)
+        elif self.primary:  # a barrier alone: the primary announces
+            self._post(name, "")
+        else:
+            self._wait(name, [self.primary_index], timeout_s)
+
+    def report(self, name: str, value: str) -> None:
+        self._reported.add(name)
+        self._post(name, value)
+
+    def reports(self, name: str) -> list[str]:
+        return [r.decode() for r in self._wait(name, range(self.count), 0.0)]
+
+    def forget(self, name: str) -> None:
+        """Remove every file of this step's meetings (the primary, once it has them all)."""
+        del name
+        if self.primary:
+            for index in range(self.count):  # every report, awaited or not (a failure)
+                for meeting in self._reported:
+                    self._file(meeting, index)
+            self.storage.remove_sync_files(sorted(self._files))
+
+    def broadcast(self, name: str, value: str | None, timeout_s: float) -> str:
+        raise NotImplementedError("writer processes never broadcast")
+
+
 # ---------------------------------------------------------------------------- the writer's side
 
 
@@ -386,6 +475,7 @@ def main(sock_fd: int) -> int:
     from cairn.handlers.io import WriteBudget, lower_thread_priority
     from cairn.manager._commit import commit_step
     from cairn.manager._format import StepNames
+    from cairn.manager._multihost import SINGLE, Meetings
     from cairn.manager._storage import open_storage
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -442,7 +532,12 @@ def main(sock_fd: int) -> int:
         job = message[1]
         job.budget = budget
         try:
-            manifest = commit_step(storage, names, job)
+            procs: Meetings = SINGLE
+            if spec.get("process_count", 1) > 1:
+                procs = StoredMeetings(
+                    storage, spec["process_index"], spec["process_count"], spec["primary_index"]
+                )
+            manifest = commit_step(storage, names, job, procs, timeout_s=spec["barrier_timeout"])
         except BaseException as e:
             log.error("cairn: the writer process failed to commit step %d: %s", job.step, e)
             _answer(sock, _failure(job.step, e))

@@ -56,7 +56,7 @@ def main() -> None:
             print(f"timeout after {time.monotonic() - t0:.1f} s: {e}", flush=True)
         else:
             raise AssertionError("the barrier passed with a dead peer")
-    elif scenario in ("save", "kill", "resume", "clock"):
+    elif scenario in ("save", "kill", "resume", "clock", "writer-kill"):
         run_manager(scenario, procs, directory)
     elif scenario == "iterators":
         per_process_iterators(procs, directory)
@@ -361,6 +361,16 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         return
     if scenario == "kill":
         install_kill(os.environ["CAIRN_TEST_KILL"], procs)
+    if scenario == "writer-kill":  # each trainer dies right after it handed step 2 over
+        mgr = CheckpointManager(
+            directory, keep=KeepLatest(2), handlers=handlers, barrier_timeout=60, writer="process"
+        )
+        for step in range(3):
+            mgr.save(step, {"state": state(step), "config": {"lr": 0.1}})
+        assert mgr._remote is not None
+        committed = mgr._storage.read_step(mgr._names, 2) is not None
+        print(f"writer {mgr._remote.pid} committed-before-kill {committed}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     with CheckpointManager(
         directory, keep=KeepLatest(2), handlers=handlers, barrier_timeout=5
     ) as mgr:

@@ -165,6 +165,38 @@ def kill_one_and_resume(place: Place, victim: int, point: str) -> None:
     assert place.steps() == [f"checkpoint_{latest}", f"checkpoint_{latest + 1}"], place.listing()
 
 
+@pytest.mark.parametrize("kind", ["posix", "s3"])
+def test_writer_processes_commit_what_both_killed_trainers_handed_over(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """writer="process", one writer per process: both trainers SIGKILL themselves right after
+    save(2) returns, taking the coordination service with them. The writers meet through the
+    storage and commit step 2 with both processes' shards; no meeting file is left; a fresh
+    pair resumes from step 2."""
+    place = Place(str(tmp_path))
+    if kind == "s3":
+        place = Place(f"{request.getfixturevalue('s3_bucket')}/run")
+    # launch() returns once the processes' pipes close: their writers, which inherit the
+    # pipes, have exited by then too.
+    results = launch("writer-kill", place.directory, timeout=180)
+    for r in results:
+        assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+        assert "committed-before-kill False" in r.stdout, (r.stdout, r.stderr[-3000:])
+    with CheckpointManager(place.directory, read_only=True) as reader:
+        assert reader.latest_step() == 2, reader.all_steps()
+        assert reader.verify(2) == []
+    keys = place.listing()
+    assert not [k for k in keys if ".cairn-sync-" in k], keys
+    chunks = sorted(k.split("/")[-1] for k in keys if k.startswith("checkpoint_2/state/arrays/0/"))
+    assert chunks == ["0.0", "0.1", "1.0", "1.1", "zarr.json"]  # shards of both processes
+    if kind == "s3":
+        assert ".cairn.lock" not in keys  # the primary's orphaned writer let the lease go
+    again = launch("resume", place.directory)
+    for r in again:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed 2 " in r.stdout and "steps after [2, 3]" in r.stdout, r.stdout
+
+
 def test_each_process_saves_and_restores_its_own_iterator(place: Place) -> None:
     """One file per process in the item; each restores its own position; keep_items drops the
     item of the older step on every process's view."""
