@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from cairn.handlers.errors import CorruptCheckpointError, UnsupportedFormatError
 from cairn.manager._format import MANIFEST, METRICS, Manifest, check_metrics, load_checked
-from cairn.manager._policies import StepView
+from cairn.manager._policies import KeepPolicy, StepView, steps_to_delete
 from cairn.manager._storage import Listed
 
 log = logging.getLogger("cairn")
@@ -227,3 +227,34 @@ class Catalog:
             if step in self._restore_s:
                 out["restore_s"] = self._restore_s[step]
             return out
+
+
+def apply_retention(
+    catalog: Catalog,
+    keep: KeepPolicy,
+    keep_items: Mapping[str, KeepPolicy],
+    delete: Callable[[int], None],
+    drop: Callable[[int, str], None],
+) -> None:
+    """Delete the committed steps `keep` does not keep, then drop the items the per-item
+    policies do not keep (`delete` and `drop` change the storage and `catalog`). One step
+    that cannot be changed does not stop the others; OSError naming them all at the end."""
+    failures = []
+    for step in steps_to_delete(catalog.views(), keep):
+        log.info("cairn: retention deletes step %d", step)
+        try:
+            delete(step)
+        except OSError as e:
+            failures.append((step, e))
+    for item, policy in keep_items.items():
+        for step in steps_to_delete(catalog.views(item), policy):
+            log.info("cairn: retention drops item %r of step %d", item, step)
+            try:
+                drop(step, item)
+            except OSError as e:
+                failures.append((step, e))
+    if failures:
+        step, first = failures[0]
+        raise OSError(
+            f"retention could not delete steps {[s for s, _ in failures]}: step {step}: {first}"
+        ) from first

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from cairn.handlers.io import (
     writing_as,
 )
 from cairn.manager import _commit, _exit, _telemetry
-from cairn.manager._catalog import Catalog, StepRecord, read_record
+from cairn.manager._catalog import Catalog, StepRecord, apply_retention, read_record
 from cairn.manager._format import (
     ROOT_METADATA,
     Manifest,
@@ -62,7 +63,6 @@ from cairn.manager._policies import (
     find_keep_best,
     find_on_preemption,
     policy_kind,
-    steps_to_delete,
 )
 from cairn.manager._preemption import PreemptionWatch
 from cairn.manager._storage import Listed, check_directory, open_storage
@@ -538,6 +538,7 @@ class CheckpointManager:
                         "process_count": self._procs.count,
                         "primary_index": self._procs.primary_index,
                         "barrier_timeout": self._timeout,
+                        "retention": _pack_retention(self._keep, self._keep_items),
                     },
                     spec[1],
                 )
@@ -646,25 +647,9 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         """Commit thread: delete the committed steps the keep policy does not keep, then drop
         the items the per-item policies do not keep."""
-        failures = []
-        for step in steps_to_delete(self._catalog.views(), self._keep):
-            log.info("cairn: retention deletes step %d", step)
-            try:
-                self._delete_now(step)
-            except OSError as e:  # one bad step must not stop retention for the others
-                failures.append((step, e))
-        for item, policy in self._keep_items.items():
-            for step in steps_to_delete(self._catalog.views(item), policy):
-                log.info("cairn: retention drops item %r of step %d", item, step)
-                try:
-                    self._drop_item_now(step, item)
-                except OSError as e:
-                    failures.append((step, e))
-        if failures:
-            step, first = failures[0]
-            raise OSError(
-                f"retention could not delete steps {[s for s, _ in failures]}: step {step}: {first}"
-            ) from first
+        apply_retention(
+            self._catalog, self._keep, self._keep_items, self._delete_now, self._drop_item_now
+        )
 
     def _delete_now(self, step: int) -> None:
         """Delete a committed step. With several processes on a storage that shares deletion
@@ -1380,6 +1365,16 @@ def _check_writer_process_options(async_save: Any, zero_copy: Any, incremental: 
         )
     if incremental is True:
         raise ValueError("incremental=True cannot go with writer='process' yet")
+
+
+def _pack_retention(keep: KeepPolicy, keep_items: Mapping[str, KeepPolicy]) -> bytes | None:
+    """The policies a writer process applies if the trainer dies; None if they cannot be
+    pickled (then the next writable manager applies them)."""
+    try:
+        return pickle.dumps((keep, dict(keep_items)))
+    except Exception as e:
+        log.info("cairn: the keep policies cannot be sent to the writer process: %r", e)
+        return None
 
 
 def _start_writer(spec: Mapping[str, Any], pass_fds: list[int]) -> WriterProcess:

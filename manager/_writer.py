@@ -199,11 +199,15 @@ def pack_job(job: Any) -> tuple[bytes, list[int]]:
 
 
 WRITER_WAIT_S = 600.0  # how long a new trainer waits for an orphaned writer process to finish
+_PID_MAX = 1 << 22  # Linux's largest pid_max
 
 
 def pid_alive(pid: int) -> bool | None:
     """Whether process `pid` runs on this host; None when it runs as another user (it may
-    not be signalled, so it is not ours to wait for)."""
+    not be signalled, so it is not ours to wait for). A pid no process can have (read from a
+    crafted lock or lease) is not running."""
+    if not 0 < pid <= _PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -221,6 +225,8 @@ def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
     that ended, so that it does not clean up the step being committed."""
     if pid_alive(trainer) is not False:  # the trainer lives: it holds the directory
         return False
+    if not pid_alive(writer):
+        return True
     try:
         pidfd = os.pidfd_open(writer)
     except OSError:  # gone already
@@ -518,6 +524,7 @@ def main(sock_fd: int) -> int:
 
     threading.Thread(target=read, name="cairn-writer-read", daemon=True).start()
     closed = False  # by the trainer; else it died, and the directory is ours to let go
+    committed = False  # a step, since this writer started
     while True:
         message = jobs.get()
         if message is None:
@@ -542,11 +549,54 @@ def main(sock_fd: int) -> int:
             log.error("cairn: the writer process failed to commit step %d: %s", job.step, e)
             _answer(sock, _failure(job.step, e))
         else:
+            committed = True
             _answer(sock, ("committed", job.step, manifest))
         mapped.done(message[2])
         del job, message
-    if not closed:  # an object store's lease: a new trainer need not wait for it to expire
-        with contextlib.suppress(Exception):
+    if not closed:  # the trainer died
+        if committed and spec.get("process_index", 0) == spec.get("primary_index", 0):
+            _retention_after_trainer(storage, names, spec.get("retention"))
+        with contextlib.suppress(Exception):  # an object store's lease: no wait for its expiry
             storage.release()
     storage.close()
     return 0
+
+
+def _retention_after_trainer(storage: Any, names: Any, packed: bytes | None) -> None:
+    """The trainer died: apply its retention to the steps this writer committed for it, as its
+    commit thread would have after each answer (it may have died before)."""
+    from cairn.manager._catalog import Catalog, apply_retention, read_record
+
+    try:
+        if packed is None:
+            raise ValueError("the trainer could not send its policies")
+        keep, keep_items = pickle.loads(packed)
+    except Exception as e:  # a policy class the writer cannot import, say
+        log.warning(
+            "cairn: the writer process cannot apply the trainer's retention (%s); the next "
+            "writable manager's first save will",
+            e,
+        )
+        return
+    catalog = Catalog()
+    catalog.replace({listed.step: read_record(listed) for listed in storage.scan(names)})
+
+    def delete(step: int) -> None:
+        reclaim = storage.delete_step(names.format(step))
+        catalog.remove(step)
+        if reclaim is not None:
+            reclaim()
+
+    def drop(step: int, item: str) -> None:
+        record = catalog.get(step)
+        assert record is not None and record.manifest is not None  # a view of an intact step
+        manifest = record.manifest.with_dropped(item)
+        reclaim = storage.drop_item(names.format(step), manifest, item)
+        catalog.update(step, manifest=manifest)
+        if reclaim is not None:
+            reclaim()
+
+    try:
+        apply_retention(catalog, keep, keep_items, delete, drop)
+    except Exception as e:
+        log.error("cairn: the writer process's retention after the trainer died failed: %s", e)
