@@ -16,6 +16,7 @@ MissingDependencyError naming the pip extra).
 """
 
 from cairn.handlers._files import (
+    BACKGROUND_NICE,
     CONTENT_HASH,
     BufferedFile,
     ChecksummedFile,
@@ -52,6 +53,7 @@ from cairn.handlers._staging import Slab, StagingPool, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
+    "BACKGROUND_NICE",
     "CONTENT_HASH",
     "ORBAX_COMMIT_SUCCESS",
     "ORBAX_STEP_METADATA",

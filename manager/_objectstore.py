@@ -595,11 +595,14 @@ class KvStorage:
         per step's manifest and metrics)."""
         return [listed for listed, _, _ in self._scan(names) if listed is not None]
 
-    def _scan(self, names: StepNames) -> list[tuple[Listed | None, str, bool]]:
+    def _scan(
+        self, names: StepNames, keys: list[str] | None = None
+    ) -> list[tuple[Listed | None, str, bool]]:
         """(the step, or None for a prefix a cairn writer claimed and never committed, its
-        name, whether it holds a `.claim`) for every step prefix."""
+        name, whether it holds a `.claim`) for every step prefix (of `keys`, the directory's
+        listing, if given)."""
         by_step: dict[int, set[str]] = {}
-        for key in self.store.list_keys():
+        for key in self.store.list_keys() if keys is None else keys:
             head, sep, rest = key.partition("/")
             step = names.parse(head)
             if step is not None and sep:
@@ -653,9 +656,10 @@ class KvStorage:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
         lease), and steps whose deletion a crash interrupted before their manifest went; a
         step committed meanwhile stays."""
-        removed = self.store.list_range(SYNC_PREFIX, _successor(SYNC_PREFIX))
+        keys = self.store.list_keys()
+        removed = [key for key in keys if key.startswith(SYNC_PREFIX)]
         self.store.delete_keys(removed)  # meetings of writer processes that crashed
-        for listed, name, claimed in self._scan(names):
+        for listed, name, claimed in self._scan(names, keys):
             if listed is not None:
                 if claimed and self.store.read(f"{name}/{CLAIM}") == _DELETING:
                     log.info("cairn: finishing the deletion of %s/%s", self.url, name)

@@ -473,6 +473,18 @@ def _failure(step: int, error: BaseException) -> tuple[Any, ...]:
     return ("failed", step, sent, text)
 
 
+def _lower_session_priority() -> None:
+    """With autogroup scheduling (Linux's default on desktops and many servers), the CPU is
+    shared between sessions first, and nice values count only within a session: the writer,
+    in a session of its own, would get as much CPU as the whole trainer whatever its threads'
+    nice. So its session gets the background nice (`/proc/self/autogroup`); where autogroup
+    is off, its threads' nice does the same (`lower_thread_priority`)."""
+    from cairn.handlers.io import BACKGROUND_NICE
+
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
+        f.write(str(BACKGROUND_NICE))
+
+
 _ENTRY = "import sys; from cairn.manager._writer import main; sys.exit(main(int(sys.argv[1])))"
 
 
@@ -486,6 +498,7 @@ def main(sock_fd: int) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's Ctrl-C is not ours
+    _lower_session_priority()
     lower_thread_priority()
     sock = socket.socket(fileno=sock_fd)
     first = _recv(sock)

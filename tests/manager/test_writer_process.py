@@ -549,3 +549,39 @@ def test_a_ctrl_c_to_the_trainers_process_group_does_not_stop_its_writer(tmp_pat
     assert "checkpoint_2" not in lines["LISTED"].split()
     wait_exit(int(lines["WRITER"]))
     assert_restores(tmp_path / "run", 11, [1, 2], writable=False)
+
+
+def test_meeting_files_a_crash_left_are_removed_at_start_and_nothing_else(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """Writer processes' meeting files left by a crash go at the next writable start; a link
+    among them is removed, never followed; removal refuses any other name before it removes
+    anything."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".cairn-sync-checkpoint_3.tmp-ab.created.0").write_bytes(b"")
+    (run / ".cairn-sync-dir").mkdir()
+    (run / ".cairn-sync-link").symlink_to(outside, target_is_directory=True)
+    (run / "notes.cairn-sync-x").write_text("not a meeting file")
+    with CheckpointManager(run, writer="process") as mgr:
+        assert sorted(os.listdir(run)) == [".cairn.lock", "notes.cairn-sync-x"]
+        for bad in (
+            ["../outside"],
+            [".cairn-sync-a", "../x"],
+            ["/etc/passwd"],
+            [".cairn-sync-a/b"],
+        ):
+            (run / ".cairn-sync-a").write_bytes(b"")
+            with pytest.raises(ValueError, match="meeting file"):
+                mgr._storage.remove_sync_files(bad)  # type: ignore[attr-defined]
+            assert (run / ".cairn-sync-a").exists()  # nothing removed before the refusal
+    assert (outside / "keep.txt").read_text() == "mine"
+    url = f"{s3_bucket}/run"
+    store = KvStorage(url, StorageOptions()).store
+    for key in (".cairn-sync-checkpoint_3.tmp-ab.written.1", "checkpoint_1/.cairn-sync-x", "x"):
+        store.write(key, b"{}")
+    with CheckpointManager(url, writer="process"):
+        assert store.list_keys() == [".cairn.lock", "checkpoint_1/.cairn-sync-x", "x"]
