@@ -329,7 +329,7 @@ class _Held:
             return cls(
                 float(held["expires"]),
                 str(held["owner"]),
-                writer if isinstance(writer, int) and writer > 0 else None,
+                writer if type(writer) is int and writer > 0 else None,  # not a bool
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return cls(0.0, "unknown")
@@ -338,7 +338,8 @@ class _Held:
         """The owner's pid, if it ran on this host."""
         host, _, rest = self.owner.partition(":")
         pid = rest.partition(":")[0]
-        return int(pid) if host == socket.gethostname() and pid.isdigit() else None
+        here = host == socket.gethostname() and pid.isascii() and pid.isdigit()
+        return int(pid) if here else None
 
     def orphaned_writer(self) -> tuple[int, int] | None:
         """(trainer, writer) when the owner ran here with a writer process, and has ended."""

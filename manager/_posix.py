@@ -460,7 +460,12 @@ def _wait_for_writer(holder: str, timeout: float) -> bool:
     which holds the lock while it commits what the trainer handed it, wait (up to `timeout`
     seconds) for the writer to exit; whether there was such a writer to wait for."""
     parts = holder.split()
-    if len(parts) != 3 or parts[2] != WRITER_MARK or not all(p.isdigit() for p in parts[:2]):
+    pids = parts[:2]
+    if (
+        len(parts) != 3
+        or parts[2] != WRITER_MARK
+        or not all(p.isascii() and p.isdigit() for p in pids)
+    ):
         return False
     return wait_for_orphan(int(parts[0]), int(parts[1]), timeout)
 
@@ -504,7 +509,7 @@ class _DirectoryLock:
             os.close(fd)
             if holder.split()[0] == str(os.getpid()):
                 who = "this process (a manager not closed?)"
-            elif holder.endswith(WRITER_MARK):
+            elif len(holder.split()) == 3 and holder.endswith(WRITER_MARK):
                 trainer, writer = holder.split()[:2]
                 who = (
                     f"pid {trainer} (with its writer process, pid {writer}; if that trainer "

@@ -8,10 +8,13 @@ in order, with its manifest or its error. When the trainer dies (SIGKILL, OOM, a
 end of the socket closes; the writer reads the jobs already sent to the end, commits them, and
 exits. Nothing polls a pid.
 
-Where the storage has a lock (POSIX), the writer holds it with the trainer: it inherits the
-descriptors `Storage.for_writer_process` names, and the storage is told its pid
-(`Storage.writer_started`), so that a trainer restarted while the old writer still commits waits
-for it instead of cleaning up the step being committed (see `_posix`).
+The writer holds the directory with the trainer: it inherits the lock's descriptor (POSIX), or
+shares the lease (object stores), as `Storage.for_writer_process` says, and the storage records
+its pid (`Storage.writer_started`), so that a trainer restarted while the old writer still
+commits waits for it (`wait_for_orphan`) instead of cleaning up the step being committed. A
+writer whose trainer died (a hang-up without the trainer's "close") applies the trainer's
+retention after its last commit and lets the lease go. In a multi-process run each process has
+its own writer, and the writers meet through the storage (`StoredMeetings`).
 
 Started as ``python -c <_ENTRY> <socket fd>``; a fresh interpreter, not a fork of a
 trainer that runs JAX's threads. It imports what unpickling the jobs needs, no more.

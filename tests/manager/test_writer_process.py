@@ -378,11 +378,16 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
         mgr.save(1, {"state": small_state(1)})
     assert CheckpointManager(url, read_only=True).all_steps() == [1]
     # pids no process can have, and a writer that is not a pid: no process, taken over at once
-    for writer in (2**80, -1, "1", None):
+    for writer in (2**80, -1, "1", True, None):
         owner = f"{socket.gethostname()}:{2**80}:crafted"
         body = {"owner": owner, "expires": time.time() + 3600, "writer": writer}
         store.write(".cairn.lock", json.dumps(body).encode())
         CheckpointManager(url, writer="process").close()
+    # an owner whose pid is not one (a superscript digit): not known to be gone, so held
+    body = {"owner": f"{socket.gethostname()}:\u00b2:crafted", "expires": time.time() + 3600}
+    store.write(".cairn.lock", json.dumps(body).encode())
+    with pytest.raises(DirectoryLockedError, match="crafted"):
+        CheckpointManager(url, writer="process")
 
 
 def test_an_item_that_cannot_be_sent_is_refused_by_name_and_nothing_changes(
@@ -585,3 +590,32 @@ def test_meeting_files_a_crash_left_are_removed_at_start_and_nothing_else(
         store.write(key, b"{}")
     with CheckpointManager(url, writer="process"):
         assert store.list_keys() == [".cairn.lock", "checkpoint_1/.cairn-sync-x", "x"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "cairn-writer",
+        "\u00b2 \u00b2 cairn-writer",
+        f"{2**80} {2**80} cairn-writer",
+        f"{2**80} 1 cairn-writer",
+    ],
+)
+def test_a_crafted_lock_file_gives_a_clear_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    """The lock is held (by this test, on its own open file) and the file says something no
+    cairn wrote: the new manager raises DirectoryLockedError, after a bounded wait at most
+    (pid 1 lives: waited for, as a writer would be), never another exception."""
+    import fcntl
+
+    from cairn.manager import _posix
+
+    monkeypatch.setattr(_posix, "WRITER_WAIT_S", 0.2)
+    with open(tmp_path / ".cairn.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(text)
+        held.flush()
+        with pytest.raises(DirectoryLockedError, match="held by another writable"):
+            CheckpointManager(tmp_path, writer="process")
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock"]
