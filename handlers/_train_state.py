@@ -198,9 +198,12 @@ class _StateSnapshot:
         self.__init__(state["handler"], state["tree"], state["leaves"], lease)  # type: ignore[misc]
 
     def release(self) -> None:
-        """Give the staging slab back to the pool (the writer process has written it)."""
+        """Give the staging slab back to the pool (the writer process has written it), and
+        let go of every view of it: a traceback that keeps this snapshot alive (a kept commit
+        error) must not keep the shared memory mapped after the manager closed."""
         if self._lease is not None:
             self._lease.release()
+        self._lease, self._leaves = None, []
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)

@@ -46,16 +46,15 @@ def wait_exit(pid: int, timeout: float = 120.0) -> None:
         os.close(fd)
 
 
-def cairn_memfds() -> list[str]:
-    """This process's descriptors of cairn's staging memfds."""
-    found = []
+def cairn_memfds() -> set[int]:
+    """The inodes of cairn's staging memfds this process has open."""
+    found = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:cairn-stage"):
+                found.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
         except OSError:
             continue
-        if target.startswith("/memfd:cairn-stage"):
-            found.append(target)
     return found
 
 
@@ -210,6 +209,7 @@ def small_state(step: int) -> dict[str, Any]:
 def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_another(
     tmp_path: Path, importable_items: None
 ) -> None:
+    before = cairn_memfds()
     mgr = CheckpointManager(tmp_path, writer="process", handlers={"boom": Killer()})
     mgr.save(1, {"state": small_state(1)})
     mgr.wait_until_finished()
@@ -230,6 +230,8 @@ def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_anot
     assert mgr._remote is not first and mgr._remote is not None
     np.testing.assert_array_equal(mgr.restore(3)["state"]["w"], small_state(3)["w"])
     mgr.close()
+    # The kept error's traceback reaches step 2's snapshot: it holds no shared memory.
+    assert info.value is not None and cairn_memfds() - before == set()
     with CheckpointManager(tmp_path) as again:
         assert again.all_steps() == [1, 3]
     assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_3"]
@@ -260,12 +262,13 @@ def test_close_ends_the_writer_and_frees_the_shared_memory(tmp_path: Path) -> No
     import jax.numpy as jnp
 
     state = {"w": jnp.arange(1 << 20, dtype=jnp.float32), "n": np.ones((64, 64))}
+    before = cairn_memfds()
     mgr = CheckpointManager(tmp_path, writer="process", keep=KeepLatest(2))
     for step in range(1, 5):
         mgr.save(step, {"state": state, "config": {"lr": 0.1, "step": step}})
     mgr.wait_until_finished()
     assert mgr.all_steps() == [3, 4]  # retention runs in the trainer, after each answer
-    assert cairn_memfds() != []  # the pool keeps its slabs between saves
+    assert cairn_memfds() - before  # the pool keeps its slabs between saves
     writer = mgr._remote
     assert writer is not None
     got = mgr.restore(4)
@@ -275,7 +278,7 @@ def test_close_ends_the_writer_and_frees_the_shared_memory(tmp_path: Path) -> No
     assert info.telemetry["blocked_s"] > 0
     mgr.close()
     wait_exit(writer.pid, timeout=1)
-    assert cairn_memfds() == []
+    assert cairn_memfds() - before == set()
 
 
 def test_a_save_changed_after_it_returned_commits_what_was_handed_over(tmp_path: Path) -> None:
