@@ -431,10 +431,12 @@ class Lease:
         return True
 
     def _still_ours(self) -> bool:
-        """After a conditional write or a check found another generation: whether the object
-        still names this owner (the other process of a shared lease wrote it); then its
-        generation is ours. Else the lease is lost."""
+        """Whether the lease object (one read) is still this manager's: at the generation it
+        last wrote, or at another that still names this owner (the other process of a shared
+        lease wrote it), whose generation is ours from then on. Else the lease is lost."""
         data, generation = self._store.read_with_generation(LEASE)
+        if generation == self._generation:
+            return True
         if data is not None and _Held.parse(data).owner == self._owner:
             self._generation = generation
             return True
@@ -443,14 +445,8 @@ class Lease:
 
     def check(self) -> None:
         """DirectoryLockedError if the lease is no longer this manager's (one read)."""
-        if self._lost is None:
-            data, generation = self._store.read_with_generation(LEASE)
-            if generation == self._generation:
-                return
-            if data is not None and _Held.parse(data).owner == self._owner:
-                self._generation = generation
-                return
-            self._lose(data)
+        if self._lost is None and self._still_ours():
+            return
         raise DirectoryLockedError(self._lost)
 
     def refresh(self) -> None:

@@ -95,8 +95,8 @@ class PosixStorage:
         """How a writer process opens this directory, and the lock's descriptor it inherits
         (so the directory stays locked while it commits what a dead trainer handed it); none
         on the other processes of a multi-process run, which do not hold the lock."""
-        held = self._lock is not None and self._lock.fd is not None
-        return {"directory": self.root}, [self._lock.fd] if held else []  # type: ignore[union-attr,list-item]
+        fd = self._lock.fd if self._lock is not None else None
+        return {"directory": self.root}, [] if fd is None else [fd]
 
     def join_writer_process(self, spec: Mapping[str, Any]) -> None:
         """In the writer process: nothing to do; it inherited the lock's descriptor."""
@@ -460,11 +460,10 @@ def _wait_for_writer(holder: str, timeout: float) -> bool:
     which holds the lock while it commits what the trainer handed it, wait (up to `timeout`
     seconds) for the writer to exit; whether there was such a writer to wait for."""
     parts = holder.split()
-    pids = parts[:2]
     if (
         len(parts) != 3
         or parts[2] != WRITER_MARK
-        or not all(p.isascii() and p.isdigit() for p in pids)
+        or not all(p.isascii() and p.isdigit() for p in parts[:2])
     ):
         return False
     return wait_for_orphan(int(parts[0]), int(parts[1]), timeout)

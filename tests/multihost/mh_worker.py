@@ -64,10 +64,12 @@ def main() -> None:
         incremental(procs, directory)
     elif scenario == "preempt":
         preempt(procs, directory)
+    elif scenario == "writer-dies":
+        writer_dies(procs, directory)
     elif scenario == "count":
         count_requests(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
-    if scenario in ("peer-dies", "kill"):
+    if scenario in ("peer-dies", "kill", "writer-dies"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
     jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
 
@@ -210,6 +212,34 @@ def count_requests(procs: Any, directory: str) -> None:
         assert mgr.all_steps() == [3, 4], mgr.all_steps()
     proxy.stop()
     print("requests", json.dumps(report), flush=True)
+
+
+def writer_dies(procs: Any, directory: str) -> None:
+    """writer="process": process 1's writer is SIGKILLed inside its write of step 2, so it never
+    reports; the primary's writer gives up after the barrier timeout and commits nothing."""
+    import numpy as np
+
+    from cairn.manager import CheckpointManager, CommitError
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, tests)
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    from writer_items import Killer  # the writer processes import it too
+
+    mgr = CheckpointManager(
+        directory, handlers={"boom": Killer()}, barrier_timeout=5, writer="process"
+    )
+    for step in (1, 2):
+        items: dict[str, Any] = {"w": np.full(4, step)}
+        if step == 2:
+            items["boom"] = "spare" if procs.index == 0 else None
+        mgr.save(step, items)
+        try:
+            mgr.wait_until_finished()
+        except CommitError as e:
+            print(f"commit failed: {type(e.__cause__).__name__}: {e.__cause__}", flush=True)
+    print("steps", mgr.all_steps(), flush=True)
+    print(f"ok writer-dies {procs.index}", flush=True)
 
 
 def preempt(procs: Any, directory: str) -> None:

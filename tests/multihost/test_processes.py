@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 from pathlib import Path
@@ -195,6 +196,23 @@ def test_writer_processes_commit_what_both_killed_trainers_handed_over(
     for r in again:
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed 2 " in r.stdout and "steps after [2, 3]" in r.stdout, r.stdout
+
+
+def test_a_writer_process_that_never_reports_leaves_no_step(tmp_path: Path) -> None:
+    """writer="process": process 1's writer dies inside its write of step 2. The primary's
+    writer waits for its report until the barrier timeout (5 s), commits nothing and removes
+    the meeting files; each trainer gets its own error."""
+    results = launch("writer-dies", tmp_path)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"ok writer-dies {i}" in r.stdout and "steps [1]" in r.stdout, r.stdout
+    assert "BarrierTimeoutError" in results[0].stdout, results[0].stdout
+    assert "processes [1] did not reach" in results[0].stdout, results[0].stdout
+    assert "WriterProcessError" in results[1].stdout and "SIGKILL" in results[1].stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".cairn-sync-")]
+    with CheckpointManager(tmp_path) as again:  # what the dead save left goes at the start
+        assert again.all_steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1"]
 
 
 def test_each_process_saves_and_restores_its_own_iterator(place: Place) -> None:
