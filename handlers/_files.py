@@ -964,6 +964,18 @@ class Source(abc.ABC):
             offset += n
         return int(data.size)
 
+    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
+        """Fill `buffer` from the file (of `size` bytes, as the manifest says) at `offset`; the
+        bytes read. This default reads the whole file; sources that can read a range do."""
+        data = memoryview(self.read(relpath, size))
+        if len(data) != size:
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} has {len(data)} bytes, the manifest says {size}"
+            )
+        part = data[offset : offset + buffer.nbytes]
+        np.copyto(np.frombuffer(buffer, np.uint8, part.nbytes), np.frombuffer(part, np.uint8))
+        return part.nbytes
+
     @abc.abstractmethod
     def local_directory(self, relpaths: Sequence[str]) -> Path:
         """A local directory holding (at least) `relpaths`: the item's own on disk, a
@@ -1071,6 +1083,19 @@ class LocalSource(Source):
                 if views and n:
                     views[0] = views[0][n:]
             return total + len(os.read(fd, 1))
+        finally:
+            os.close(fd)
+
+    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
+        fd = self.open(relpath, size)  # checked on the descriptor: what is read is what is checked
+        try:
+            view, total = memoryview(buffer).cast("B"), 0
+            while total < view.nbytes:
+                n = os.preadv(fd, [view[total:]], offset + total)
+                if n == 0:
+                    break
+                total += n
+            return total
         finally:
             os.close(fd)
 
@@ -1197,6 +1222,23 @@ class StoredItem:
                 data = f.read(record.size + 1)
         record.check(data, self.describe_file(relpath))
         checked[key] = record.xxh3_128
+
+    def read_range(self, relpath: str, offset: int, buffer: memoryview) -> None:
+        """Read `buffer.nbytes` bytes of a recorded file from `offset` (a range that the
+        manifest's size for the file must hold); the caller checks the content."""
+        record = self._record(relpath)
+        nbytes = memoryview(buffer).nbytes
+        if offset < 0 or offset + nbytes > record.size:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)}: bytes {offset}..{offset + nbytes} are outside "
+                f"its {record.size} bytes"
+            )
+        with self._reading(relpath):
+            got = self.source.readinto_at(relpath, record.size, offset, buffer)
+        if got != nbytes:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} ends before byte {offset + nbytes}"
+            )
 
     def read_into(self, relpath: str, buffers: Sequence[memoryview]) -> None:
         """Read a recorded file into `buffers` (whose sizes add up to the file's) and check its

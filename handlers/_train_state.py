@@ -16,6 +16,7 @@ content hash in the manifest before its bytes are used.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -40,6 +41,18 @@ from cairn.handlers._files import (
     writing_process,
 )
 from cairn.handlers._optional import optional
+from cairn.handlers._packs import (
+    Packed,
+    group,
+    is_packed,
+    load_index,
+    save_token,
+    staged_pack,
+    write_index,
+    write_pack,
+)
+from cairn.handlers._packs import _Pack as Pack
+from cairn.handlers._packs import read_chunk as read_packed_chunk
 from cairn.handlers._staging import Lease, Slab, StagingPool, current_staging, round_up
 from cairn.handlers._tree import (
     NONE,
@@ -187,6 +200,11 @@ class _StateSnapshot:
         self._lease = lease
         self._staging = staging
 
+    @property
+    def version(self) -> int:
+        """The layout version this save writes (the manifest's): 2 packed, 1 zarr."""
+        return 2 if self._handler.layout == "packed" else 1
+
     def __getstate__(self) -> dict[str, Any]:
         """The writer process's copy: the slab (sent as its memfd), not the pool's lease."""
         slab = self._lease.slab if self._lease is not None else None
@@ -208,6 +226,8 @@ class _StateSnapshot:
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)
         h = self._handler
+        if h.layout == "packed":
+            return self._write_packed(dest)
         primary = writing_process()[0] == 0  # shared files once; every process its own shards
         metadata: list[tuple[str, bytes]] = []  # written by the same pool, first
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
@@ -228,7 +248,7 @@ class _StateSnapshot:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     relpath = f"{base}/{key}"
                     record = leaf.known.get(relpath) if leaf.known is not None else None
-                    if record is not None and record.xxh3_128 is not None:
+                    if isinstance(record, FileRecord) and record.xxh3_128 is not None:
                         reused = dest.link_known(relpath, record.size, record.xxh3_128)
                         if reused is not None:
                             linked.append(reused)
@@ -243,7 +263,109 @@ class _StateSnapshot:
         finally:
             if self._lease is not None:  # the next save may stage into it now
                 self._lease.release()
-        for leaf in self._leaves:  # a donated buffer may have been overwritten while we read it
+        self._check_sources(viewed)
+        records += linked
+        if self._staging is not None:
+            self._remember({r.path: r for r in records if not r.path.endswith("/zarr.json")})
+        if primary:
+            records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
+        return records
+
+    def _write_packed(self, dest: Destination) -> list[FileRecord]:
+        """The packed layout (`cairn.handlers._packs`): this process's chunks in packs of up to
+        `PACK_BYTES`, staged chunks in the slab's order (a pack is a span of the slab, written
+        in one piece), then the other chunks; the packs are written by `threads` threads, then
+        this process's index, then (the primary) tree.json. An incremental save links each
+        previous pack that still holds at least half its bytes of unchanged chunks, and writes
+        the unchanged chunks of the others again (so a step never keeps a pack mostly for
+        chunks no step uses)."""
+        h = self._handler
+        process = writing_process()[0]
+        staged: list[tuple[str, int, int]] = []
+        views: list[tuple[str, np.ndarray, np.dtype]] = []
+        unchanged: dict[str, list[tuple[str, Packed, np.ndarray, _Leaf]]] = {}
+        viewed: set[int] = set()
+        for leaf in self._leaves:
+            if leaf.shared and process != 0:
+                continue
+            base = f"arrays/{leaf.index}"
+            if leaf.staged is not None:
+                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
+                continue
+            for region, data in leaf.pieces:
+                for key, part in _chunks_of(region, data, leaf.chunk):
+                    vpath = f"{base}/{key}"
+                    was = leaf.known.get(vpath) if leaf.known is not None else None
+                    if isinstance(was, Packed):
+                        unchanged.setdefault(was.pack, []).append((vpath, was, part, leaf))
+                    else:
+                        views.append((vpath, part, leaf.dtype))
+                        viewed.add(leaf.index)
+        records: list[FileRecord] = []
+        placed: dict[str, Packed] = {}
+        for uses in unchanged.values():
+            pack = uses[0][1].pack_record
+            linked = None
+            if 2 * sum(prev.nbytes for _, prev, _, _ in uses) >= pack.size and pack.xxh3_128:
+                linked = dest.link_known(pack.path, pack.size, pack.xxh3_128)
+            if linked is not None:
+                records.append(linked)
+                for vpath, prev, _, _ in uses:
+                    placed[vpath] = dataclasses.replace(prev, pack_record=linked)
+                continue
+            for vpath, _, part, leaf in uses:
+                views.append((vpath, part, leaf.dtype))
+                viewed.add(leaf.index)
+        token = save_token()
+        staged.sort(key=lambda chunk: chunk[1])
+        packs = [(True, chunks) for chunks in group([(c, c[2]) for c in staged])]
+        packs += [
+            (False, chunks)
+            for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views])
+        ]
+        slab = self._lease.slab.array if self._lease is not None else None
+        budget = _Tickets(max(1, h.max_inflight_bytes // _MiB))
+
+        def one(n: int, from_slab: bool, chunks: list[Any]) -> tuple[FileRecord, dict[str, Packed]]:
+            name = f"packs/{process}.{token}.{n}"
+            if from_slab:
+                assert slab is not None
+                return write_pack(dest, name, staged_pack(slab, chunks)[0])
+            casts = sum(_size(p.shape) * want.itemsize for _, p, want in chunks if p.dtype != want)
+            tickets = min(-(-casts // _MiB), budget.total)
+            with budget.taking(tickets):
+                pack = Pack()
+                for vpath, part, want in chunks:
+                    data = part.astype(want) if part.dtype != want else part
+                    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                    pack.keep.append(raw)
+                    pack.add(vpath, memoryview(raw))  # type: ignore[arg-type]
+                return write_pack(dest, name, pack)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=h.threads or dest.writers,
+                thread_name_prefix="cairn-write",
+                initializer=lower_thread_priority,
+            ) as pool:
+                written = list(pool.map(lambda job: one(job[0], *job[1]), enumerate(packs)))
+        finally:
+            if self._lease is not None:  # the next save may stage into it now
+                self._lease.release()
+        for record, chunks in written:
+            records.append(record)
+            placed.update(chunks)
+        self._check_sources(viewed)
+        records.append(write_index(dest, process, placed))
+        if self._staging is not None:
+            self._remember(placed)
+        if process == 0:
+            records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
+        return records
+
+    def _check_sources(self, viewed: set[int]) -> None:
+        """A donated buffer may have been overwritten while the write read it: fail then."""
+        for leaf in self._leaves:
             if leaf.known is not None and leaf.index not in viewed:
                 continue  # every file linked: nothing was read from the array
             for source in leaf.sources:
@@ -253,21 +375,14 @@ class _StateSnapshot:
                         "checkpoint was being written; the step is not committed. Keep it alive "
                         "until the save commits (wait_until_finished) or call save() again."
                     )
-        records += linked
-        if self._staging is not None:
-            self._remember(records)
-        if primary:
-            records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
-        return records
 
-    def _remember(self, records: Sequence[FileRecord]) -> None:
-        """Tell the pool what each jax leaf's chunk files are now (see `StagingPool.remember`)."""
+    def _remember(self, chunks: Mapping[str, FileRecord | Packed]) -> None:
+        """Tell the pool where each jax leaf's chunks are now (see `StagingPool.remember`): by
+        chunk path, their files (zarr layout) or their places in packs (packed layout)."""
         pool, item = self._staging  # type: ignore[misc]
-        by_leaf: dict[str, dict[str, FileRecord]] = {}
-        for record in records:
-            base, _, name = record.path.rpartition("/")
-            if name != "zarr.json":
-                by_leaf.setdefault(base, {})[record.path] = record
+        by_leaf: dict[str, dict[str, FileRecord | Packed]] = {}
+        for vpath, where in chunks.items():
+            by_leaf.setdefault(vpath.rpartition("/")[0], {})[vpath] = where
         pool.remember(
             item,
             {
@@ -478,23 +593,16 @@ def _write_chunks(
     save_dtype cast is due, which allocates one chunk at a time; `max_inflight_bytes` bounds
     those casts in flight.
     """
-    budget = threading.BoundedSemaphore(max(1, max_inflight_bytes // _MiB))
+    budget = _Tickets(max(1, max_inflight_bytes // _MiB))
 
     def one(relpath: str, part: np.ndarray, want: np.dtype) -> FileRecord:
-        tickets = 0
-        if part.dtype != want:
-            tickets = min(max(1, part.nbytes // _MiB), max(1, max_inflight_bytes // _MiB))
-            for _ in range(tickets):
-                budget.acquire()
-        try:
+        tickets = min(max(1, part.nbytes // _MiB), budget.total) if part.dtype != want else 0
+        with budget.taking(tickets):
             data = part.astype(want) if tickets else part
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # ml_dtypes lack buffers
             view = memoryview(raw)  # type: ignore[arg-type]
             tail = crc32c.crc32c(view).to_bytes(4, "little")
             return dest.write_file(relpath, [view, tail])
-        finally:
-            for _ in range(tickets):
-                budget.release()
 
     def one_staged(relpath: str, at: int, nbytes: int) -> FileRecord:
         assert slab is not None
@@ -518,6 +626,30 @@ def _write_chunks(
         rest = pool.map(lambda job: one(*job), jobs)
         from_slab = pool.map(lambda job: one_staged(*job), staged)
         return list(first) + list(rest) + list(from_slab)
+
+
+class _Tickets:
+    """A count of megabytes that casts in flight may take (`max_inflight_bytes`); a writer takes
+    all it needs at once or waits, so two writers never each hold part and wait for the rest.
+
+    Threads: `taking` may be entered from any number of threads at once."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free = total
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def taking(self, n: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._free >= n)
+            self._free -= n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._free += n
+                self._cond.notify_all()
 
 
 class TrainStateHandler:
@@ -552,7 +684,7 @@ class TrainStateHandler:
     """
 
     id = "cairn.train_state"
-    version = 1
+    version = 2  # what this cairn reads: 1 (the zarr layout) and 2 (the packed layout)
 
     def __init__(
         self,
@@ -562,7 +694,13 @@ class TrainStateHandler:
         chunk_bytes: int = 64 * _MiB,
         max_inflight_bytes: int = 256 * _MiB,
         threads: int | None = None,
+        layout: str = "zarr",
     ) -> None:
+        if layout not in ("zarr", "packed"):
+            raise ValueError(
+                f"TrainStateHandler: layout must be 'zarr' or 'packed', got {layout!r}"
+            )
+        self.layout = layout
         self.save_dtype = None if save_dtype is None else np.dtype(save_dtype)
         if save_dtype_where is not None and not callable(save_dtype_where):
             raise TypeError(
@@ -584,7 +722,8 @@ class TrainStateHandler:
 
     def __repr__(self) -> str:
         cast = f"save_dtype={self.save_dtype}, " if self.save_dtype is not None else ""
-        return f"TrainStateHandler({cast}chunk_bytes={self.chunk_bytes})"
+        packed = ", layout='packed'" if self.layout == "packed" else ""
+        return f"TrainStateHandler({cast}chunk_bytes={self.chunk_bytes}{packed})"
 
     # -------------------------------------------------------------- snapshot (caller thread)
 
@@ -628,7 +767,15 @@ class TrainStateHandler:
             if kind == "jax":
                 leaves[-1].ref = weakref.ref(x)
                 regions = tuple(tuple((sl.start, sl.stop) for sl in r) for r, _ in pieces)
-                leaves[-1].signature = (path, shape, dtype.str, src_dtype.str, chunk, regions)
+                leaves[-1].signature = (
+                    path,
+                    shape,
+                    dtype.str,
+                    src_dtype.str,
+                    chunk,
+                    regions,
+                    self.layout,
+                )
             node = {
                 "t": "npscalar" if kind == "npscalar" else "array",
                 "kind": kind,
@@ -679,13 +826,14 @@ class TrainStateHandler:
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         opts = target if isinstance(target, TrainStateRestore) else TrainStateRestore(target)
         tree = load_tree(stored)
+        index = load_index(stored) if is_packed(stored) else None
         for key in opts.subtree:
             tree = _subtree(tree, key, opts.subtree)
         prefix = opts.subtree
 
         def lazy_leaf(node: Mapping[str, Any], target_leaf: Any, path: KeyPath) -> Any:
             full = (*prefix, *path)
-            reader = _LeafReader(stored, node, full)
+            reader = _LeafReader(stored, node, full, index)
             dtype = reader.dtype
             saved_from = dtype_from_name(node["saved_from"]) if "saved_from" in node else None
             recast = opts.restore_dtype is not None and _is_float(dtype)
@@ -787,8 +935,14 @@ class _LeafReader:
     a copy on CPU; any other region reads each overlapping chunk whole and copies the overlap.
     """
 
-    def __init__(self, stored: StoredItem, node: Mapping[str, Any], path: KeyPath) -> None:
-        self.stored, self.node, self.path = stored, node, path
+    def __init__(
+        self,
+        stored: StoredItem,
+        node: Mapping[str, Any],
+        path: KeyPath,
+        index: Mapping[str, Packed] | None = None,
+    ) -> None:
+        self.stored, self.node, self.path, self.index = stored, node, path, index
         self.shape = tuple(node["shape"])
         self.dtype = dtype_from_name(node["dtype"])
         self.chunk = tuple(node.get("chunk") or ())
@@ -802,11 +956,14 @@ class _LeafReader:
         if self._checked:
             return
         base = self.node["f"]
-        where = self.describe(f"{base}/zarr.json")
         if len(self.chunk) != len(self.shape):
             raise CorruptCheckpointError(
-                f"{where}: tree.json gives no chunk shape of rank {len(self.shape)}"
+                f"{self.describe(TREE)}: tree.json gives no chunk shape of rank {len(self.shape)}"
             )
+        if self.index is not None:
+            self._check_packed(base)
+            return
+        where = self.describe(f"{base}/zarr.json")
         meta = parse_json(self.stored.read_bytes(f"{base}/zarr.json"), where)
         if meta != _zarr_metadata(self.shape, self.dtype, self.chunk):
             raise CorruptCheckpointError(
@@ -833,6 +990,29 @@ class _LeafReader:
         self.stored.check_files(f"{base}/")  # present, regular, not links, at those sizes
         self._checked = True
 
+    def _check_packed(self, base: str) -> None:
+        """The packed layout: every chunk of the grid in the index, at its exact size (the index
+        entries themselves were checked against the manifest by `load_index`)."""
+        assert self.index is not None
+        if _size(self.shape):
+            grid = [-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True)]
+            size = _size(self.chunk) * self.dtype.itemsize
+            if _size(grid) > len(self.index):
+                raise CorruptCheckpointError(
+                    f"{self.describe(base)}: the leaf has {_size(grid)} chunks, the index lists "
+                    f"{len(self.index)} for the item"
+                )
+            for coords in itertools.product(*map(range, grid)):
+                vpath = f"{base}/{'.'.join(map(str, coords)) or '0'}"
+                where = self.index.get(vpath)
+                if where is None or where.nbytes != size:
+                    got = "not indexed" if where is None else f"indexed with {where.nbytes} bytes"
+                    raise CorruptCheckpointError(
+                        f"{self.describe(vpath)}: chunk {got}; the leaf needs {size} bytes"
+                    )
+        self.stored.check_files("packs/")  # present, regular, not links, at those sizes
+        self._checked = True
+
     def read(self, index: tuple[slice, ...] = ()) -> _Read:
         """A future of the data in `index` (whole leaf by default), as np.ndarray."""
         self.check()
@@ -843,8 +1023,12 @@ class _LeafReader:
         """Read the chunk at grid `coords` into `dest` (C-contiguous, the chunk's full shape) and
         check it against the manifest; CorruptCheckpointError naming the file otherwise."""
         relpath = f"{self.node['f']}/{'.'.join(map(str, coords)) or '0'}"
-        record = self.stored.files[relpath]
         data = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        if self.index is not None:
+            where = self.index[relpath]
+            read_packed_chunk(self.stored, where, data, self.describe(f"{relpath} in {where.pack}"))
+            return
+        record = self.stored.files[relpath]
         tail = bytearray(4)
         self.stored.read_into(relpath, [data, memoryview(tail)])
         if record.xxh3_128 is not None:

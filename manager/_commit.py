@@ -181,8 +181,9 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a written step (its commit time is now)."""
     items = {
-        name: ItemEntry(handler.id, handler.version, records[name])
-        for name, (handler, _) in job.snapshots.items()
+        # A snapshot may say which of its handler's versions it wrote (the train state's layout).
+        name: ItemEntry(handler.id, getattr(snap, "version", handler.version), records[name])
+        for name, (handler, snap) in job.snapshots.items()
     }
     size = sum(entry.bytes for entry in items.values())
     written = sum(f.size for entry in items.values() for f in entry.files if not f.reused)

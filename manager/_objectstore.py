@@ -302,10 +302,10 @@ class ObjectStore:
         found = self._kv.list(self._ts.KvStore.KeyRange(start, stop)).result()
         return sorted(k.decode() for k in found)
 
-    def read_prefix(self, key: str, size: int) -> bytes | None:
-        """The first `size` bytes of an object (one ranged GET), or None if it does not exist;
-        ValueError if it is shorter."""
-        result = self._kv.read(key, byte_range=slice(0, size)).result()
+    def read_prefix(self, key: str, size: int, offset: int = 0) -> bytes | None:
+        """The `size` bytes of an object from `offset` (the first ones by default; one ranged
+        GET), or None if it does not exist; ValueError if it is shorter."""
+        result = self._kv.read(key, byte_range=slice(offset, offset + size)).result()
         if result.state != "value":
             return None
         return bytes(result.value)
@@ -913,6 +913,22 @@ class _KvSource(Source):
         if data is None:
             raise FileNotFoundError(self.describe(relpath))
         return data
+
+    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
+        """One ranged GET of the bytes `buffer` takes (the object's size is not checked: the
+        caller checks the content's hash)."""
+        view = memoryview(buffer).cast("B")
+        try:
+            data = self._storage.store.read_prefix(self._prefix + relpath, view.nbytes, offset)
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"{self.describe(relpath)} is shorter than the manifest says ({size} bytes): {e}"
+            ) from None
+        if data is None:
+            raise FileNotFoundError(self.describe(relpath))
+        n = min(len(data), view.nbytes)
+        view[:n] = memoryview(data)[:n]
+        return n
 
     def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
         """A download of `relpaths` into a fresh local directory (removed at close)."""

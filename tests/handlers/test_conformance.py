@@ -220,6 +220,12 @@ class TestTrainStateHandler(HandlerContract):
         TestNumpyTreeHandler.mutate(self, obj)  # type: ignore[arg-type]
 
 
+class TestPackedTrainStateHandler(TestTrainStateHandler):
+    @pytest.fixture
+    def handler(self) -> Handler:
+        return TrainStateHandler(chunk_bytes=4096, layout="packed")
+
+
 class TestInMemoryHandler(HandlerContract):
     @pytest.fixture
     def handler(self) -> Handler:

@@ -8,6 +8,7 @@ Prints ``ok <scenario> <process id>`` at the end, or the error it expected.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -62,6 +63,8 @@ def main() -> None:
         per_process_iterators(procs, directory)
     elif scenario == "incremental":
         incremental(procs, directory)
+    elif scenario == "packed":
+        packed(procs, directory)
     elif scenario == "preempt":
         preempt(procs, directory)
     elif scenario == "writer-dies":
@@ -126,6 +129,53 @@ def incremental(procs: Any, directory: str) -> None:
             assert got["step"] == step
             for shard in got["frozen"].addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+            assert mgr.verify(step) == []
+
+
+def packed(procs: Any, directory: str) -> None:
+    """The packed layout with two processes: each writes its own shards into its own packs and
+    index; host data once (the primary); three incremental saves of a frozen sharded array and
+    a changing one; every step restores into the sharding it was saved with and into another."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cairn.handlers import TrainStateHandler
+    from cairn.manager import CheckpointManager, KeepLatest
+
+    mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
+    saved, other = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))
+    full = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+    frozen = jax.make_array_from_callback(full.shape, saved, lambda idx: full[idx])
+
+    def changing(step: int) -> Any:
+        return jax.make_array_from_callback((64, 8), saved, lambda idx: (full[:64, :8] * step)[idx])
+
+    handlers = {"state": TrainStateHandler(layout="packed")}
+    with CheckpointManager(
+        directory, keep=KeepLatest(2), incremental=True, handlers=handlers
+    ) as mgr:
+        for step in (1, 2, 3):
+            state = {"frozen": frozen, "changing": changing(step), "host": np.arange(5) * step}
+            mgr.save(step, {"state": state})
+            mgr.wait_until_finished()
+        written = [mgr.info(s).telemetry["bytes_written"] for s in (2, 3)]
+        print(f"steps {mgr.all_steps()} written {written} of {mgr.info(3).telemetry['bytes']}")
+        print("files", json.dumps(sorted(mgr.info(3).items["state"].files)), flush=True)
+        for step in (2, 3):
+            for sharding in (saved, other):
+                target = {
+                    "frozen": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding),
+                    "changing": jax.ShapeDtypeStruct((64, 8), np.float32, sharding=sharding),
+                    "host": np.zeros(5, np.int64),
+                }
+                got = mgr.restore(step, {"state": target})["state"]
+                for shard in got["frozen"].addressable_shards:
+                    np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+                for shard in got["changing"].addressable_shards:
+                    want = (full[:64, :8] * step)[shard.index]
+                    np.testing.assert_array_equal(np.asarray(shard.data), want)
+                np.testing.assert_array_equal(got["host"], np.arange(5) * step)
             assert mgr.verify(step) == []
 
 

@@ -98,6 +98,27 @@ def test_incremental_saves_link_each_process_shards(place: Place) -> None:
         )
 
 
+@pytest.mark.parametrize("place", ["posix", "s3"], indirect=True)
+def test_packed_layout_with_two_processes(place: Place) -> None:
+    """Each process writes its shards into packs and an index of its own; the primary writes
+    the host data; incremental saves link (copy, on a bucket) each process's unchanged pack;
+    every step restores into two shardings on both processes and verifies."""
+    results = launch("packed", place.directory)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "steps [2, 3]" in r.stdout and f"ok packed {i}" in r.stdout
+    files = json.loads(
+        next(x for x in results[0].stdout.splitlines() if x.startswith("files "))[6:]
+    )
+    assert {f.split(".")[0] for f in files if f.startswith("packs/") and "index" not in f} == {
+        "packs/0",
+        "packs/1",
+    }, files
+    assert "packs/index.0.json" in files and "packs/index.1.json" in files
+    written, total = results[0].stdout.split("written ")[1].split(" of ")
+    assert all(w < 0.05 * float(total.split()[0]) for w in json.loads(written)), written
+
+
 def test_clocks_that_disagree_still_agree_on_saving(tmp_path: Path) -> None:
     """A time-based policy: the primary decides and broadcasts, whatever the other's clock says."""
     results = launch("clock", tmp_path)

@@ -1,0 +1,222 @@
+"""The packed layout of a train state: chunks in a few large files, found through an index.
+
+Layout of one item (``TrainStateHandler(layout="packed")``, docs/format.md)::
+
+    tree.json                   as in the zarr layout (each leaf's `f` names its chunks)
+    packs/<p>.<save>.<n>        process p's chunks; staged ones from 4 KiB boundaries, zeros between
+    packs/index.<p>.json        for each chunk process p wrote: pack, offset, bytes, XXH3-128
+
+A chunk is named as in the zarr layout (``arrays/<i>/<c0>.<c1>``, a *virtual* path: no such
+file exists) and holds the raw little-endian bytes, without the zarr layout's crc32c tail. The
+manifest records each pack and index file whole, as every file; the index binds each chunk's
+bytes to its place (its content hash), so a restore that reads part of a pack checks what it
+reads. A pack holds whole chunks, up to `PACK_BYTES` (one larger chunk has a pack of its own).
+
+Why: a step of the zarr layout is two files and a directory per leaf; creating, writing and
+syncing them cost a commit more than the bytes do for states of many small leaves. A packed step
+is about ``state / PACK_BYTES`` files, each written in one piece (``O_DIRECT`` from the staging
+pool on disk), and an incremental save links whole packs of the previous step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from cairn.handlers._files import Destination, FileRecord, StoredItem, parse_json
+from cairn.handlers._staging import round_up
+from cairn.handlers.errors import CorruptCheckpointError
+
+PACKS = "packs/"
+PACK_BYTES = 64 << 20  # chunks per pack, in bytes: a pack is one write, one PUT, one link
+_MiB = 1 << 20
+_INDEX = re.compile(r"packs/index\.(0|[1-9][0-9]{0,8})\.json")
+_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Where one chunk is: `nbytes` bytes at `offset` of the pack file `pack` (whose manifest
+    record is `pack_record`, what an incremental save links), with content hash `xxh3_128`."""
+
+    pack_record: FileRecord
+    offset: int
+    nbytes: int
+    xxh3_128: str
+
+    @property
+    def pack(self) -> str:
+        return self.pack_record.path
+
+
+def index_name(process: int) -> str:
+    return f"{PACKS}index.{process}.json"
+
+
+def is_packed(stored: StoredItem) -> bool:
+    """Whether an item is in the packed layout (its manifest lists an index file)."""
+    return any(_INDEX.fullmatch(path) for path in stored.files)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclasses.dataclass
+class _Pack:
+    """One pack being assembled: its pieces and its chunks (vpath, offset, bytes)."""
+
+    pieces: list[memoryview] = dataclasses.field(default_factory=list)
+    chunks: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # vpath, at, n
+    size: int = 0
+    keep: list[Any] = dataclasses.field(default_factory=list)  # arrays the pieces view
+
+    def add(self, vpath: str, data: memoryview) -> None:
+        """Append a chunk, tight (only staged chunks, written with O_DIRECT, need alignment)."""
+        self.pieces.append(data)
+        self.chunks.append((vpath, self.size, data.nbytes))
+        self.size += data.nbytes
+
+
+def group(sizes: Sequence[tuple[Any, int]], limit: int = PACK_BYTES) -> list[list[Any]]:
+    """Consecutive items (each with its bytes) in groups of at most `limit` bytes (4 KiB
+    aligned), a larger item alone."""
+    groups: list[list[Any]] = []
+    total = 0
+    for item, nbytes in sizes:
+        if not groups or (total and round_up(total) + nbytes > limit):
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total = round_up(total) + nbytes
+    return groups
+
+
+def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> tuple[_Pack, int]:
+    """A pack of staged chunks (vpath, slab offset, bytes; consecutive in the slab, each from a
+    page boundary): the slab's span from the first to the end of the last, in one piece (so that
+    it is written with O_DIRECT), its gaps zeroed. Returns the pack and its slab offset."""
+    start = chunks[0][1]
+    pack = _Pack()
+    for vpath, at, nbytes in chunks:
+        gap_from = start + pack.size
+        slab[gap_from:at] = 0  # padding: whatever an earlier save left there
+        pack.chunks.append((vpath, at - start, nbytes))
+        pack.size = at - start + nbytes
+    pack.pieces = [memoryview(slab[start : start + pack.size])]  # type: ignore[arg-type]
+    return pack, start
+
+
+def write_pack(dest: Destination, name: str, pack: _Pack) -> tuple[FileRecord, dict[str, Packed]]:
+    """Hash each chunk and the whole pack in one pass (a megabyte at a time, while it is in the
+    cache), then write it as one file."""
+    whole = xxhash.xxh3_128()
+    flat = _Flat(pack.pieces)
+    digests = []
+    pos = 0
+    for _, at, nbytes in pack.chunks:
+        for block in flat.blocks(pos, at):
+            whole.update(block)  # padding
+        digest = xxhash.xxh3_128()
+        for block in flat.blocks(at, at + nbytes):
+            digest.update(block)
+            whole.update(block)
+        digests.append(digest.hexdigest())
+        pos = at + nbytes
+    record = dest.write_file(name, pack.pieces, xxh3_128=whole.hexdigest())
+    placed = {
+        vpath: Packed(record, at, nbytes, digest)
+        for (vpath, at, nbytes), digest in zip(pack.chunks, digests, strict=True)
+    }
+    return record, placed
+
+
+class _Flat:
+    """Byte ranges of a list of pieces, as views of at most a megabyte."""
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        self.pieces = pieces
+        self.starts = np.cumsum([0, *(p.nbytes for p in pieces)])
+
+    def blocks(self, lo: int, hi: int) -> list[memoryview]:
+        out = []
+        i = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi and i < len(self.pieces):
+            piece, base = self.pieces[i], int(self.starts[i])
+            end = min(hi, base + piece.nbytes)
+            for b in range(lo, end, _MiB):
+                out.append(piece[b - base : min(end, b + _MiB) - base])
+            lo = end
+            i += 1
+        return out
+
+
+def save_token() -> str:
+    """The part of a save's pack names that no other save has (a linked pack of an earlier step
+    keeps its name beside this save's own)."""
+    return uuid.uuid4().hex[:12]
+
+
+def write_index(dest: Destination, process: int, placed: Mapping[str, Packed]) -> FileRecord:
+    chunks = {
+        vpath: [p.pack, p.offset, p.nbytes, p.xxh3_128] for vpath, p in sorted(placed.items())
+    }
+    return dest.write_file(index_name(process), json.dumps({"chunks": chunks}).encode())
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_index(stored: StoredItem) -> dict[str, Packed]:
+    """Every chunk of a packed item (vpath -> where it is), from all processes' index files,
+    each checked against its record and entry by entry: a pack the manifest lists under
+    ``packs/``, a range inside its recorded size, a content hash; no chunk listed twice."""
+    out: dict[str, Packed] = {}
+    for relpath in sorted(p for p in stored.files if _INDEX.fullmatch(p)):
+        where = stored.describe_file(relpath)
+        index = parse_json(stored.read_bytes(relpath), where)
+        chunks = index.get("chunks") if isinstance(index, dict) else None
+        if not isinstance(chunks, dict):
+            raise CorruptCheckpointError(f"{where}: not an index of chunks")
+        for vpath, entry in chunks.items():
+            if vpath in out:
+                raise CorruptCheckpointError(f"{where}: chunk {vpath!r} is listed twice")
+            out[vpath] = _entry(stored, where, vpath, entry)
+    return out
+
+
+def _entry(stored: StoredItem, where: str, vpath: str, entry: Any) -> Packed:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: chunk {vpath!r}: {why}")
+
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise bad("not [pack, offset, bytes, xxh3_128]")
+    pack, offset, nbytes, digest = entry
+    if not isinstance(pack, str) or not pack.startswith(PACKS) or _INDEX.fullmatch(pack):
+        raise bad(f"{pack!r} is not a pack")
+    record = stored.files.get(pack)
+    if record is None:
+        raise bad(f"its pack {pack!r} is not in the manifest")
+    for value in (offset, nbytes):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad(f"{value!r} is not a byte count")
+    if offset + nbytes > record.size:
+        raise bad(f"bytes {offset}..{offset + nbytes} are outside {pack!r} ({record.size} bytes)")
+    if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+        raise bad(f"{digest!r} is not an XXH3-128 hex digest")
+    return Packed(record, offset, nbytes, digest)
+
+
+def read_chunk(stored: StoredItem, packed: Packed, dest: memoryview, describe: str) -> None:
+    """Read one chunk into `dest` and check its content hash."""
+    stored.read_range(packed.pack, packed.offset, dest)
+    if xxhash.xxh3_128_hexdigest(dest) != packed.xxh3_128:
+        raise CorruptCheckpointError(
+            f"{describe} is not the chunk the index records (its content hash differs)"
+        )

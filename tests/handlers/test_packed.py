@@ -1,0 +1,356 @@
+"""The packed layout of a train state (``TrainStateHandler(layout="packed")``): chunks in a few
+pack files, found through per-process index files, each chunk checked by its own content hash."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+from treeutil import assert_tree_equal
+
+from cairn.handlers import TrainStateHandler, TrainStateRestore
+from cairn.handlers._packs import PACK_BYTES, group
+from cairn.handlers._train_state import _Tickets
+from cairn.handlers.errors import CorruptCheckpointError
+from cairn.manager import CheckpointManager
+from cairn.manager._format import dump_checked
+
+
+def packed(**options: Any) -> dict[str, TrainStateHandler]:
+    return {"state": TrainStateHandler(layout="packed", **options)}
+
+
+def sample(step: int = 1) -> dict[str, Any]:
+    return {
+        "params": {
+            "w": jnp.arange(1 << 16, dtype=jnp.float32).reshape(256, 256) * step,
+            "b": jnp.full(7, step, jnp.bfloat16),
+            "i4": np.arange(12, dtype=np.int8).astype(ml_dtypes.int4),
+        },
+        "opt": (np.float32(step), jnp.zeros((0, 3)), np.ones((3, 5), np.complex64)),
+        "step": step,
+        "flag": np.bool_(True),
+    }
+
+
+def host(tree: Any) -> Any:
+    return jax.tree.map(np.asarray, tree)
+
+
+def manifest(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / f"checkpoint_{step}" / "_CHECKPOINT.json").read_bytes())
+
+
+def item_files(root: Path, step: int) -> list[str]:
+    base = root / f"checkpoint_{step}" / "state"
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*") if not p.is_dir())
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_round_trip_views_and_staged(tmp_path: Path, zero_copy: bool) -> None:
+    """Step 1 is written from views (the pool warms), step 2 from the staging pool, or both
+    from views with zero_copy=True; every dtype comes back equal, in a few files."""
+    with CheckpointManager(tmp_path, handlers=packed(chunk_bytes=8192), zero_copy=zero_copy) as m:
+        for step in (1, 2):
+            m.save(step, {"state": sample(step)})
+            m.wait_until_finished()
+        for step in (1, 2):
+            assert_tree_equal(host(m.restore(step)["state"]), host(sample(step)))
+            assert m.verify(step) == []
+            files = item_files(tmp_path, step)
+            assert not any(f.startswith("arrays/") for f in files)
+            assert files[-2:] == ["packs/index.0.json", "tree.json"] and len(files) == 3
+            entry = manifest(tmp_path, step)["items"]["state"]
+            assert (entry["handler"], entry["version"]) == ("cairn.train_state", 2)
+
+
+def test_a_zarr_step_and_a_packed_step_side_by_side(tmp_path: Path) -> None:
+    """Either handler reads both layouts; the zarr layout is still written as version 1."""
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"state": sample(1)})
+    with CheckpointManager(tmp_path, handlers=packed()) as m:
+        m.save(2, {"state": sample(2)})
+        m.wait_until_finished()
+        assert_tree_equal(host(m.restore(1)["state"]), host(sample(1)))
+    with CheckpointManager(tmp_path) as m:
+        assert_tree_equal(host(m.restore(2)["state"]), host(sample(2)))
+    assert manifest(tmp_path, 1)["items"]["state"]["version"] == 1
+    assert manifest(tmp_path, 2)["items"]["state"]["version"] == 2
+
+
+def test_chunks_go_into_packs_of_at_most_pack_bytes() -> None:
+    assert group([("a", 10), ("b", 10), ("c", PACK_BYTES), ("d", 1)]) == [["a", "b"], ["c"], ["d"]]
+    assert group([("a", PACK_BYTES - 4096), ("b", 4096), ("c", 1)]) == [["a", "b"], ["c"]]
+    assert group([]) == []
+
+
+def test_a_large_state_is_a_few_large_files(tmp_path: Path) -> None:
+    state = {f"w{i}": np.full((1 << 18) + i, i, np.float32) for i in range(200)}  # 200 MiB
+    with CheckpointManager(tmp_path, handlers=packed()) as m:
+        m.save(1, {"state": state})
+        m.save(2, {"state": state})  # staged: packs are spans of the pool, O_DIRECT
+        m.wait_until_finished()
+        for step in (1, 2):
+            files = item_files(tmp_path, step)
+            packs = [f for f in files if not f.endswith(".json")]
+            assert 4 <= len(packs) <= 5, files  # 200 MiB in packs of at most 64 MiB
+            assert all(
+                os.path.getsize(tmp_path / f"checkpoint_{step}/state" / p) <= PACK_BYTES
+                for p in packs
+            )
+        got = m.restore(2)["state"]
+        for i in (0, 77, 199):
+            np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])
+
+
+def damage(root: Path, step: int, vpath: str) -> str:
+    """Flip a byte of one chunk inside its pack; the pack's name."""
+    base = root / f"checkpoint_{step}" / "state"
+    pack, offset, nbytes, _ = json.loads((base / "packs/index.0.json").read_bytes())["chunks"][
+        vpath
+    ]
+    with open(base / pack, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    return pack
+
+
+def test_a_damaged_chunk_is_named_and_the_others_still_restore(tmp_path: Path) -> None:
+    """Each chunk is checked by its own hash: a partial restore that does not read the damaged
+    chunk succeeds, one that does fails naming the chunk and its pack, and verify names the pack."""
+    with CheckpointManager(tmp_path, handlers=packed(chunk_bytes=8192)) as m:
+        m.save(1, {"state": sample(1)})
+        m.wait_until_finished()
+        tree = json.loads((tmp_path / "checkpoint_1/state/tree.json").read_bytes())
+        w = tree["c"][0]["c"][tree["c"][0]["k"].index("w")]["f"]
+        pack = damage(tmp_path, 1, f"{w}/3.0")
+        opts = TrainStateRestore(where=lambda path: path[-1] != "w")
+        got = m.restore(1, {"state": opts})["state"]
+        np.testing.assert_array_equal(got["opt"][2], sample(1)["opt"][2])
+        with pytest.raises(CorruptCheckpointError, match=rf"{w}/3\.0 in {pack}.*content hash"):
+            m.restore(1)
+        problems = m.verify(1)
+        assert len(problems) == 1 and pack in str(problems[0])
+
+
+def edit_index(root: Path, step: int, edit: Any) -> None:
+    """Rewrite process 0's index and give it a matching manifest record (what a crafter can)."""
+    base = root / f"checkpoint_{step}"
+    path = base / "state/packs/index.0.json"
+    index = json.loads(path.read_bytes())
+    edit(index["chunks"])
+    data = json.dumps(index).encode()
+    path.write_bytes(data)
+    body = json.loads((base / "_CHECKPOINT.json").read_bytes())
+    del body["crc32c"]
+    for record in body["items"]["state"]["files"]:
+        if record["path"] == "packs/index.0.json":
+            record.update(size=len(data), xxh3_128=xxhash.xxh3_128_hexdigest(data))
+    (base / "_CHECKPOINT.json").write_bytes(dump_checked(body))
+
+
+def _first(chunks: dict[str, Any]) -> list[Any]:
+    return chunks[max(chunks, key=lambda k: chunks[k][2])]  # the largest chunk
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: _first(c).__setitem__(1, 1 << 40), "outside"),
+        (lambda c: _first(c).__setitem__(1, -1), "not a byte count"),
+        (lambda c: _first(c).__setitem__(2, True), "not a byte count"),
+        (lambda c: _first(c).__setitem__(2, 3), "indexed with 3 bytes"),
+        (lambda c: _first(c).__setitem__(0, "../../../outside"), "is not a pack"),
+        (lambda c: _first(c).__setitem__(0, "tree.json"), "is not a pack"),
+        (lambda c: _first(c).__setitem__(0, "packs/index.0.json"), "is not a pack"),
+        (lambda c: _first(c).__setitem__(0, "packs/nope"), "not in the manifest"),
+        (lambda c: _first(c).__setitem__(3, "0" * 31), "hex digest"),
+        (lambda c: _first(c).__setitem__(3, "0" * 32), "content hash differs"),
+        (lambda c: _first(c).pop(), r"not \[pack"),
+        (lambda c: c.pop(max(c, key=lambda k: c[k][2])), "not indexed"),
+        (lambda c: c.clear(), "chunks, the index lists 0"),
+    ],
+)
+def test_a_crafted_index_is_refused_and_nothing_changes(
+    tmp_path: Path, edit: Any, message: str
+) -> None:
+    with CheckpointManager(tmp_path, handlers=packed()) as m:
+        m.save(1, {"state": sample(1)})
+    edit_index(tmp_path, 1, edit)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with (
+        CheckpointManager(tmp_path, handlers=packed()) as m,
+        pytest.raises(CorruptCheckpointError, match=message),
+    ):
+        m.restore(1)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_second_index_that_lists_a_chunk_again_is_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, handlers=packed()) as m:
+        m.save(1, {"state": sample(1)})
+    base = tmp_path / "checkpoint_1"
+    data = (base / "state/packs/index.0.json").read_bytes()
+    (base / "state/packs/index.1.json").write_bytes(data)
+    body = json.loads((base / "_CHECKPOINT.json").read_bytes())
+    del body["crc32c"]
+    files = body["items"]["state"]["files"]
+    files.append(
+        {
+            **next(f for f in files if f["path"] == "packs/index.0.json"),
+            "path": "packs/index.1.json",
+        }
+    )
+    (base / "_CHECKPOINT.json").write_bytes(dump_checked(body))
+    with (
+        CheckpointManager(tmp_path, handlers=packed()) as m,
+        pytest.raises(CorruptCheckpointError, match="listed twice"),
+    ):
+        m.restore(1)
+
+
+def test_incremental_saves_link_whole_packs(tmp_path: Path) -> None:
+    """An unchanged jax array's chunks stay in the previous step's pack, which the new step
+    links; a pack still used for less than half its bytes is not linked: its unchanged chunks
+    are written again, so no step keeps a pack mostly for what no step uses."""
+    frozen = jnp.arange(1 << 20, dtype=jnp.float32)  # 4 MiB
+    with CheckpointManager(tmp_path, incremental=True, handlers=packed()) as m:
+        for step in (1, 2, 3):
+            m.save(step, {"state": {"frozen": frozen, "lora": jnp.full(1000, float(step))}})
+            m.wait_until_finished()
+        base = m.info(1).items["state"].files[0]
+        for step in (2, 3):
+            files = m.info(step).items["state"].files
+            assert base in files and len(files) == 4  # step 1's pack, its own, index, tree
+            assert (
+                os.lstat(tmp_path / f"checkpoint_{step}/state/{base}").st_ino
+                == os.lstat(tmp_path / f"checkpoint_1/state/{base}").st_ino
+            )
+            tm = m.info(step).telemetry
+            assert tm["bytes_written"] < 0.002 * tm["bytes"]
+        # Now the big leaf changes and the small one stays: step 1's pack is no longer used.
+        small = jnp.full(1000, 3.0)
+        m.save(4, {"state": {"frozen": frozen + 1, "lora": small}})
+        m.save(5, {"state": {"frozen": frozen + 2, "lora": small}})
+        m.wait_until_finished()
+        assert base not in m.info(5).items["state"].files
+        for step in (1, 2, 3, 4, 5):
+            got = host(m.restore(step)["state"])
+            assert m.verify(step) == []
+            assert got["lora"][0] == min(step, 3)
+        m.delete(1)
+        assert_tree_equal(
+            host(m.restore(3)["state"]), host({"frozen": frozen, "lora": jnp.full(1000, 3.0)})
+        )
+
+
+def test_a_pack_mostly_unused_is_not_linked(tmp_path: Path) -> None:
+    big = jnp.zeros(1 << 20, jnp.float32)  # 4 MiB, changes every save
+    frozen = jnp.arange(1000, dtype=jnp.float32)  # 4 KB, never changes
+    with CheckpointManager(tmp_path, incremental=True, handlers=packed()) as m:
+        for step in (1, 2):
+            m.save(step, {"state": {"big": big + step, "frozen": frozen}})
+            m.wait_until_finished()
+        one, two = (set(m.info(s).items["state"].files) for s in (1, 2))
+        assert not (one & two) - {"packs/index.0.json", "tree.json"}  # nothing linked
+        np.testing.assert_array_equal(
+            np.asarray(m.restore(2)["state"]["frozen"]), np.asarray(frozen)
+        )
+
+
+def test_a_damaged_pack_of_the_previous_step_is_not_linked(tmp_path: Path) -> None:
+    frozen = jnp.arange(1 << 18, dtype=jnp.float32)
+    with CheckpointManager(tmp_path, incremental=True, handlers=packed()) as m:
+        m.save(1, {"state": {"frozen": frozen}})
+        m.wait_until_finished()
+    damage(tmp_path, 1, "arrays/0/0")
+    with CheckpointManager(tmp_path, incremental=True, handlers=packed()) as m:  # hashes first
+        m.save(2, {"state": {"frozen": frozen}})
+        m.wait_until_finished()
+        assert not set(m.info(1).items["state"].files) & set(m.info(2).items["state"].files) - {
+            "packs/index.0.json",
+            "tree.json",
+        }
+        np.testing.assert_array_equal(
+            np.asarray(m.restore(2)["state"]["frozen"]), np.asarray(frozen)
+        )
+        assert m.verify(2) == [] and m.verify(1) != []
+
+
+def test_save_dtype_in_packs(tmp_path: Path) -> None:
+    tree = {"w": np.linspace(0, 1, 1 << 18, dtype=np.float32), "n": np.arange(5)}
+    handlers = packed(save_dtype=jnp.bfloat16, max_inflight_bytes=1 << 20, threads=3)
+    with CheckpointManager(tmp_path, handlers=handlers) as m:
+        m.save(1, {"state": tree})
+        m.wait_until_finished()
+        got = m.restore(1, {"state": TrainStateRestore(tree)})["state"]
+        np.testing.assert_array_equal(got["w"], tree["w"].astype(jnp.bfloat16).astype(np.float32))
+        np.testing.assert_array_equal(got["n"], tree["n"])
+
+
+def test_tickets_are_taken_all_at_once() -> None:
+    """Casts in flight take their megabytes at once: a writer that needs all of them waits until
+    the other gives its share back, and never holds part while it waits (the old semaphore loop
+    could leave two writers each holding half, waiting for each other)."""
+    tickets = _Tickets(2)
+    entered = threading.Event()
+
+    def take_two() -> None:
+        with tickets.taking(2):
+            entered.set()
+
+    with tickets.taking(1):
+        thread = threading.Thread(target=take_two)
+        thread.start()
+        assert not entered.wait(0.2)  # waits for the held ticket
+        with tickets.taking(1):  # the other ticket is still free: the waiter holds none
+            pass
+    thread.join(10)
+    assert entered.is_set()
+
+
+def test_the_layout_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="layout must be 'zarr' or 'packed', got 'flat'"):
+        TrainStateHandler(layout="flat")
+    assert "layout='packed'" in repr(TrainStateHandler(layout="packed"))
+
+
+def test_packed_on_s3(s3_bucket: str) -> None:
+    """On an object store: packs are objects, a restore reads each chunk with a ranged GET, and
+    an incremental save copies the unchanged pack on the server."""
+    url = f"{s3_bucket}/packed"
+    frozen = jnp.arange(1 << 18, dtype=jnp.float32)
+    with CheckpointManager(url, incremental=True, handlers=packed(chunk_bytes=1 << 16)) as m:
+        for step in (1, 2):
+            m.save(step, {"state": {"frozen": frozen, "lora": jnp.full(10, float(step))}})
+            m.wait_until_finished()
+        assert m.info(1).items["state"].files[0] in m.info(2).items["state"].files
+        tm = m.info(2).telemetry
+        assert tm["bytes_written"] < 0.01 * tm["bytes"]
+        for step in (1, 2):
+            got = host(m.restore(step)["state"])
+            np.testing.assert_array_equal(got["frozen"], np.asarray(frozen))
+            assert got["lora"][0] == step
+            assert m.verify(step) == []
+
+
+def test_packed_with_the_writer_process(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, handlers=packed(), writer="process") as m:
+        for step in (1, 2):  # 2: staged in shared memory, written by the writer process
+            m.save(step, {"state": sample(step)})
+            m.wait_until_finished()
+        for step in (1, 2):
+            assert_tree_equal(host(m.restore(step)["state"]), host(sample(step)))
+            assert m.info(step).items["state"].files[-2:] == ("packs/index.0.json", "tree.json")
+            assert manifest(tmp_path, step)["items"]["state"]["version"] == 2
