@@ -43,16 +43,24 @@ from _common import REPO, RESULTS, SCRATCH, machine_facts, now, parse_size, spre
 
 CASES = ("lora", "frozen", "all")
 X, D = "\u00d7", "\u2013"  # for the tables
-SYSTEMS = ("cairn", "cairn-incremental", "orbax")
+SYSTEMS = ("cairn", "cairn-incremental", "orbax", "cairn-packed", "cairn-packed-incremental")
+DEFAULT_SYSTEMS = "cairn,cairn-incremental,orbax"
 
 
 class Cairn(bts.CairnRunner):
-    def __init__(self, directory: Path | str, abstract: Any, *, incremental: bool) -> None:
+    def __init__(self, directory: Path | str, abstract: Any, *, name: str) -> None:
+        from cairn.handlers import TrainStateHandler
         from cairn.manager import CheckpointManager, KeepLatest
 
-        self.name = "cairn-incremental" if incremental else "cairn"
+        self.name = name
         self.abstract = abstract
-        self.mgr = CheckpointManager(directory, keep=KeepLatest(1), incremental=incremental)
+        handlers = {"state": TrainStateHandler(layout="packed")} if "packed" in name else None
+        self.mgr = CheckpointManager(
+            directory,
+            keep=KeepLatest(1),
+            incremental=name.endswith("incremental"),
+            handlers=handlers,
+        )
         self.remote = isinstance(directory, str)
 
     def wait_reclaimed(self, timeout: float = 120.0) -> None:
@@ -148,7 +156,9 @@ def s3_bucket() -> Iterator[str]:
             bo.stop(server)
 
 
-def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[str, Any]:
+def run(
+    label: str, rounds: int, log: Any, bucket: str | None = None, systems: Any = None
+) -> dict[str, Any]:
     import jax
 
     state = bts.build_state(label)
@@ -159,17 +169,19 @@ def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[st
     log(f"[{label}] {nbytes >> 20} MiB; lora case changes {len(lora)} params leaves (x3)")
     scratch = SCRATCH / "incremental"
     shutil.rmtree(scratch, ignore_errors=True)
-    systems = SYSTEMS if bucket is None else SYSTEMS[:2]
+    systems = list(systems or DEFAULT_SYSTEMS.split(","))
+    if bucket is not None:
+        systems = [s for s in systems if s != "orbax"]
 
     def place(name: str) -> Path | str:
         return scratch / name if bucket is None else f"{bucket}/{name}"
 
     runners: dict[str, Any] = {
-        "cairn": Cairn(place("cairn"), abstract, incremental=False),
-        "cairn-incremental": Cairn(place("incremental"), abstract, incremental=True),
+        name: Orbax(scratch / name, abstract)
+        if name == "orbax"
+        else Cairn(place(name), abstract, name=name)
+        for name in systems
     }
-    if bucket is None:
-        runners["orbax"] = Orbax(scratch / "orbax", abstract)
     samples: dict[str, list[float]] = {}
 
     def note(key: str, value: float) -> None:
@@ -193,7 +205,7 @@ def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[st
                     note(f"{case}.{name}.written", runner.written(step))
             step += 1
         if rnd:  # restore the lora step just saved: incremental against full
-            pair = ("cairn", "cairn-incremental")
+            pair = [n for n in systems if n.startswith("cairn")]
             for name in pair if rnd % 2 else pair[::-1]:  # the order alternates
                 runner = runners[name]
                 if bucket is None:
@@ -219,9 +231,17 @@ def run(label: str, rounds: int, log: Any, bucket: str | None = None) -> dict[st
             paired[f"{case}.{name}.written_vs_full"] = ratio(
                 f"{case}.{name}.written", f"{case}.cairn.written"
             )
-    paired["restore.incremental_vs_full_throughput"] = ratio(
-        "restore.cairn", "restore.cairn-incremental"
-    )
+        if {"cairn-packed", "cairn-packed-incremental"} <= set(systems):
+            paired[f"{case}.cairn-packed-incremental.commit_vs_packed"] = ratio(
+                f"{case}.cairn-packed-incremental.commit_s", f"{case}.cairn-packed.commit_s"
+            )
+    for name in ("cairn-incremental", "cairn-packed", "cairn-packed-incremental"):
+        if name in systems:
+            paired[f"restore.{name}_vs_full_throughput"] = ratio("restore.cairn", f"restore.{name}")
+    if "cairn-incremental" in systems:  # the name the targets and older results use
+        paired["restore.incremental_vs_full_throughput"] = paired[
+            "restore.cairn-incremental_vs_full_throughput"
+        ]
     return {
         "store": "local disk" if bucket is None else "S3 (moto on 127.0.0.1)",
         "systems": list(systems),
@@ -266,22 +286,36 @@ def markdown(result: dict[str, Any]) -> str:
                 + (f"{rw['median']:.3f}{X}" if rw else "1")
                 + " |"
             )
-    r = s["restore.cairn"], s["restore.cairn-incremental"]
+    restores = [n for n in e.get("systems", SYSTEMS) if f"restore.{n}" in s]
     lines += [
         "",
-        f"Restore of the newest lora step: full {r[0]['median'] * 1e3:.0f} ms, incremental "
-        f"{r[1]['median'] * 1e3:.0f} ms.",
+        "Restore of the newest lora step: "
+        + ", ".join(f"{n} {s[f'restore.{n}']['median'] * 1e3:.0f} ms" for n in restores)
+        + ".",
         "",
-        "| target | goal | measured | met |",
-        "|---|---|---|---|",
+        "| target | system | goal | measured | met |",
+        "|---|---|---|---|---|",
     ]
-    for key, what, goal, le in TARGETS:
-        m = p[key]
-        met = m["median"] <= goal if le else m["median"] >= goal
-        lines.append(
-            f"| {what} | {'≤' if le else '≥'} {goal} | {m['median']:.3f}{X} "
-            f"({m['min']:.3f}{D}{m['max']:.3f}) | {'yes' if met else '**no**'} |"
-        )
+    for system in ("cairn-incremental", "cairn-packed-incremental"):
+        for key, what, goal, le in TARGETS:
+            key = key.replace("cairn-incremental", system)
+            if key == "restore.incremental_vs_full_throughput":
+                key = f"restore.{system}_vs_full_throughput"
+            m = p.get(key)
+            if m is None:
+                continue
+            met = m["median"] <= goal if le else m["median"] >= goal
+            lines.append(
+                f"| {what} | {system} | {'≤' if le else '≥'} {goal} | {m['median']:.3f}{X} "
+                f"({m['min']:.3f}{D}{m['max']:.3f}) | {'yes' if met else '**no**'} |"
+            )
+    for case in CASES:
+        m = p.get(f"{case}.cairn-packed-incremental.commit_vs_packed")
+        if m is not None:
+            lines.append(
+                f"| {case}: commit ÷ a full packed save's | cairn-packed-incremental | | "
+                f"{m['median']:.3f}{X} ({m['min']:.3f}{D}{m['max']:.3f}) | |"
+            )
     return "\n".join(lines)
 
 
@@ -291,13 +325,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", choices=("disk", "s3"), default="disk")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16M, 2 rounds")
+    parser.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, of {', '.join(SYSTEMS)}; the first is cairn (default "
+        f"{DEFAULT_SYSTEMS})",
+    )
+    parser.add_argument("--label", default="", help="names the result file: incremental-LABEL")
     parser.add_argument("--markdown", action="store_true", help="print the JSON as Markdown")
     args = parser.parse_args(argv)
     path = RESULTS / (
         ("incremental-quick" if args.quick else "incremental")
+        + (f"-{args.label}" if args.label else "")
         + ("-s3" if args.store == "s3" else "")
         + ".json"
     )
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if systems[:1] != ["cairn"] or set(systems) - set(SYSTEMS):
+        parser.error(f"--systems: cairn first, then any of {list(SYSTEMS)}")
     if args.markdown:
         print(markdown(json.loads(path.read_text())))
         return 0
@@ -311,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.store == "s3":
         with s3_bucket() as bucket:
-            entry = run(args.size, args.rounds, log, bucket)
+            entry = run(args.size, args.rounds, log, bucket, systems)
     else:
-        entry = run(args.size, args.rounds, log)
+        entry = run(args.size, args.rounds, log, systems=systems)
     result = {
         "benchmark": "bench/bench_incremental.py",
         "git": subprocess.run(

@@ -25,8 +25,9 @@ bench_train_state.py (172 jax CPU arrays), in one run:
 
 Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy=True``, when
 the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager); on
-request (``--systems``) ``cairn-incremental`` and ``cairn-process`` (``writer="process"``,
-whose writer's CPU is not among cairn's threads: it shows in the training time lost). Run it
+request (``--systems``) ``cairn-incremental``, ``cairn-packed`` (``TrainStateHandler(layout=
+"packed")``) and ``cairn-process`` (``writer="process"``, whose writer's CPU is not among
+cairn's threads: it shows in the training time lost). Run it
 on another cairn with ``PYTHONPATH`` pointing at a tree whose ``cairn/manager`` and
 ``cairn/handlers`` are that version's folders, and ``--label`` to name it (the "before" figures
 in docs/benchmarks.md). Results: bench/results/overhead[-LABEL].json, rich tables, and with
@@ -81,7 +82,8 @@ SYSTEMS = (
     "orbax",
     "cairn-incremental",
     "cairn-process",
-)  # last two on request
+    "cairn-packed",
+)  # last three on request
 DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
 STEPS = ("decoder", "elementwise")
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -127,6 +129,7 @@ def limits(leaves: list[np.ndarray], path: Path) -> dict[str, float]:
 
 class Cairn(bts.CairnRunner):
     def __init__(self, directory: Path, abstract: Any, *, name: str = "cairn") -> None:
+        from cairn.handlers import TrainStateHandler
         from cairn.manager import CheckpointManager, KeepLatest
 
         self.name = name
@@ -136,6 +139,7 @@ class Cairn(bts.CairnRunner):
             "cairn-views": {"zero_copy": True},
             "cairn-incremental": {"incremental": True},
             "cairn-process": {"writer": "process"},
+            "cairn-packed": {"handlers": {"state": TrainStateHandler(layout="packed")}},
         }[name]
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
 

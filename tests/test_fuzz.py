@@ -77,10 +77,12 @@ def fuzz(family: str, cases: int, *, soak: bool = False) -> Callable[..., None]:
 
 
 test_fuzz = fuzz("cairn", 80)  # 2000 in the soak
+test_fuzz_packed = fuzz("packed", 30)
 test_fuzz_orbax = fuzz("orbax", 30)
 test_fuzz_speechbrain = fuzz("speechbrain", 30)
 SOAK_HOURS = pytest.mark.timeout(4 * 3600)
 test_fuzz_soak = pytest.mark.slow(SOAK_HOURS(fuzz("cairn", 2000, soak=True)))
+test_fuzz_packed_soak = pytest.mark.slow(SOAK_HOURS(fuzz("packed", 500, soak=True)))
 test_fuzz_orbax_soak = pytest.mark.slow(SOAK_HOURS(fuzz("orbax", 300, soak=True)))
 test_fuzz_speechbrain_soak = pytest.mark.slow(SOAK_HOURS(fuzz("speechbrain", 300, soak=True)))
 
