@@ -678,10 +678,11 @@ class LocalDestination(Destination):
     ``writev`` straight from the caller's buffers; nothing is fsynced here (the storage makes
     the whole step durable once, after every item is written).
 
-    A file whose first buffer starts on a page boundary and spans at least `DIRECT_MIN` bytes
-    (the train state's staged chunks) is written with ``O_DIRECT`` up to its last whole page,
-    from that memory to the disk without a copy through the page cache, and the rest (under a
-    page, plus the other buffers) through the page cache. Where the filesystem refuses
+    A file whose first buffers start on page boundaries and span at least `DIRECT_MIN` bytes
+    each (the train state's staged chunks and packs) is written with ``O_DIRECT`` buffer by
+    buffer while each is whole pages, the last up to its last whole page, from that memory to
+    the disk without a copy through the page cache, and the rest (under a page, plus the other
+    buffers) through the page cache. Where the filesystem refuses
     ``O_DIRECT`` (ramfs, some network filesystems) every byte goes through the page cache.
     """
 
@@ -771,11 +772,13 @@ class LocalDestination(Destination):
         fd = self._open(relpath)
         try:
             views = [v for v in pieces if v.nbytes]
-            if views and _direct_candidate(views[0]):
-                done = _write_direct(
-                    fd, views[0][: views[0].nbytes - views[0].nbytes % DIRECT_ALIGN]
-                )
+            while views and _direct_candidate(views[0]):  # page-aligned spans, in whole pages
+                whole = views[0].nbytes - views[0].nbytes % DIRECT_ALIGN
+                done = _write_direct(fd, views[0][:whole])
                 views[0] = views[0][done:]
+                if views[0].nbytes:  # a tail under a page, or O_DIRECT refused: buffered now
+                    break
+                views.pop(0)
             while views:
                 n = os.writev(fd, views[:1024])
                 while views and n >= views[0].nbytes:

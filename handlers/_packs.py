@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from cairn.handlers._files import Destination, FileRecord, StoredItem, parse_json
-from cairn.handlers._staging import round_up
+from cairn.handlers._staging import PAGE, round_up
 from cairn.handlers.errors import CorruptCheckpointError
 
 PACKS = "packs/"
@@ -98,42 +98,57 @@ def group(sizes: Sequence[tuple[Any, int]], limit: int = PACK_BYTES) -> list[lis
     return groups
 
 
-def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> tuple[_Pack, int]:
-    """A pack of staged chunks (vpath, slab offset, bytes; consecutive in the slab, each from a
-    page boundary): the slab's span from the first to the end of the last, in one piece (so that
-    it is written with O_DIRECT), its gaps zeroed. Returns the pack and its slab offset."""
-    start = chunks[0][1]
+def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> _Pack:
+    """A pack of staged chunks (vpath, slab offset, bytes; in slab order, each from a page
+    boundary): spans of the slab, each chunk padded with zeros to a whole page, chunks that
+    follow each other in the slab (at most a page of tail room apart) in one span, so that a
+    pack of a whole save is written from the slab with O_DIRECT in one piece."""
     pack = _Pack()
+    spans: list[list[int]] = []  # [start, end) in the slab
     for vpath, at, nbytes in chunks:
-        gap_from = start + pack.size
-        slab[gap_from:at] = 0  # padding: whatever an earlier save left there
-        pack.chunks.append((vpath, at - start, nbytes))
-        pack.size = at - start + nbytes
-    pack.pieces = [memoryview(slab[start : start + pack.size])]  # type: ignore[arg-type]
-    return pack, start
+        if spans and 0 <= at - spans[-1][1] <= PAGE:
+            slab[spans[-1][1] : at] = 0  # the previous chunk's tail room
+            pack.size += at - spans[-1][1]
+            spans[-1][1] = at
+        else:
+            spans.append([at, at])
+        end = round_up(at + nbytes)
+        slab[at + nbytes : end] = 0  # whatever an earlier save left there
+        pack.chunks.append((vpath, pack.size, nbytes))
+        pack.size += end - at
+        spans[-1][1] = end
+    last = chunks[-1]
+    trim = spans[-1][1] - (last[1] + last[2])  # the file ends with its last chunk
+    spans[-1][1] -= trim
+    pack.size -= trim
+    pack.pieces = [memoryview(slab[a:b]) for a, b in spans]  # type: ignore[arg-type]
+    return pack
 
 
-def write_pack(dest: Destination, name: str, pack: _Pack) -> tuple[FileRecord, dict[str, Packed]]:
-    """Hash each chunk and the whole pack in one pass (a megabyte at a time, while it is in the
-    cache), then write it as one file."""
+def write_pack(
+    dest: Destination, name: str, pack: _Pack, digests: Mapping[str, str] | None = None
+) -> tuple[FileRecord, dict[str, Packed]]:
+    """Hash each chunk (unless `digests` has it) and the whole pack in one pass (a megabyte at
+    a time, while it is in the cache), then write it as one file."""
     whole = xxhash.xxh3_128()
     flat = _Flat(pack.pieces)
-    digests = []
+    known = digests or {}
+    placed: dict[str, Packed] = {}
+    found: list[tuple[str, int, int, str]] = []
     pos = 0
-    for _, at, nbytes in pack.chunks:
+    for vpath, at, nbytes in pack.chunks:
         for block in flat.blocks(pos, at):
             whole.update(block)  # padding
-        digest = xxhash.xxh3_128()
+        digest = None if vpath in known else xxhash.xxh3_128()
         for block in flat.blocks(at, at + nbytes):
-            digest.update(block)
+            if digest is not None:
+                digest.update(block)
             whole.update(block)
-        digests.append(digest.hexdigest())
+        found.append((vpath, at, nbytes, known[vpath] if digest is None else digest.hexdigest()))
         pos = at + nbytes
     record = dest.write_file(name, pack.pieces, xxh3_128=whole.hexdigest())
-    placed = {
-        vpath: Packed(record, at, nbytes, digest)
-        for (vpath, at, nbytes), digest in zip(pack.chunks, digests, strict=True)
-    }
+    for vpath, at, nbytes, hexdigest in found:
+        placed[vpath] = Packed(record, at, nbytes, hexdigest)
     return record, placed
 
 

@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -134,6 +134,7 @@ class StagingPool:
         self.remembers = remember
         self.shared = shared  # slabs in memfds, mapped at once (writer="process")
         self._remembered: dict[str, dict[int, tuple[Any, ...]]] = {}
+        self._chunks: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._free: dict[str, list[Slab]] = {}
         self._in_use = 0  # bytes of leased slabs
@@ -236,6 +237,18 @@ class StagingPool:
     def recall(self, key: str) -> dict[int, tuple[Any, ...]]:
         with self._lock:
             return self._remembered.get(key, {})
+
+    def remember_chunks(self, key: str, chunks: Mapping[str, Any]) -> None:
+        """Where the last written save of item `key` put every chunk (chunk path -> its place
+        and content hash: the packed layout), so that the next save finds a chunk whose bytes
+        did not change by its hash, whatever leaf it came from (a no-op unless remembering)."""
+        if self.remembers:
+            with self._lock:
+                self._chunks[key] = dict(chunks)
+
+    def recall_chunks(self, key: str) -> Mapping[str, Any]:
+        with self._lock:
+            return self._chunks.get(key, {})
 
     def wait(self) -> None:
         """Until no slab is being faulted in."""

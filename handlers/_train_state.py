@@ -193,12 +193,14 @@ class _StateSnapshot:
         leaves: list[_Leaf],
         lease: Lease | None,
         staging: tuple[StagingPool, str] | None = None,
+        previous: Mapping[str, Packed] | None = None,
     ) -> None:
         self._handler = handler
         self._tree = tree
         self._leaves = leaves
         self._lease = lease
         self._staging = staging
+        self._previous = previous or {}  # incremental, packed: the last save's chunks
 
     @property
     def version(self) -> int:
@@ -273,18 +275,24 @@ class _StateSnapshot:
 
     def _write_packed(self, dest: Destination) -> list[FileRecord]:
         """The packed layout (`cairn.handlers._packs`): this process's chunks in packs of up to
-        `PACK_BYTES`, staged chunks in the slab's order (a pack is a span of the slab, written
-        in one piece), then the other chunks; the packs are written by `threads` threads, then
-        this process's index, then (the primary) tree.json. An incremental save links each
-        previous pack that still holds at least half its bytes of unchanged chunks, and writes
-        the unchanged chunks of the others again (so a step never keeps a pack mostly for
-        chunks no step uses)."""
+        `PACK_BYTES`, staged chunks in the slab's order (a pack is spans of the slab, written
+        with O_DIRECT), then the other chunks; the packs are written by `threads` threads, then
+        this process's index, then (the primary) tree.json.
+
+        An incremental save keeps a chunk where the previous save put it when it is unchanged:
+        its leaf is the same jax array (`leaf.known`, not read), or its bytes hash to what the
+        previous save recorded for that chunk (`self._previous`, hashed here first). It links
+        each previous pack that still holds at least half its bytes of unchanged chunks, and
+        writes the unchanged chunks of the others again (so no step keeps a pack mostly for
+        chunks no step uses), as it does where a link cannot be made."""
         h = self._handler
         process = writing_process()[0]
         staged: list[tuple[str, int, int]] = []
         views: list[tuple[str, np.ndarray, np.dtype]] = []
-        unchanged: dict[str, list[tuple[str, Packed, np.ndarray, _Leaf]]] = {}
         viewed: set[int] = set()
+        unchanged: dict[str, list[tuple[str, Packed, Any]]] = {}  # by pack: fallback to write
+        slab = self._lease.slab.array if self._lease is not None else None
+        workers = h.threads or dest.writers
         for leaf in self._leaves:
             if leaf.shared and process != 0:
                 continue
@@ -296,26 +304,33 @@ class _StateSnapshot:
                 for key, part in _chunks_of(region, data, leaf.chunk):
                     vpath = f"{base}/{key}"
                     was = leaf.known.get(vpath) if leaf.known is not None else None
+                    view = (vpath, part, leaf.dtype)
                     if isinstance(was, Packed):
-                        unchanged.setdefault(was.pack, []).append((vpath, was, part, leaf))
+                        unchanged.setdefault(was.pack, []).append((vpath, was, (view, leaf.index)))
                     else:
-                        views.append((vpath, part, leaf.dtype))
+                        views.append(view)
                         viewed.add(leaf.index)
+        digests: dict[str, str] = {}
+        if self._previous:
+            staged, views = self._match_previous(staged, views, slab, unchanged, digests, workers)
         records: list[FileRecord] = []
         placed: dict[str, Packed] = {}
         for uses in unchanged.values():
             pack = uses[0][1].pack_record
             linked = None
-            if 2 * sum(prev.nbytes for _, prev, _, _ in uses) >= pack.size and pack.xxh3_128:
+            if 2 * sum(use[1].nbytes for use in uses) >= pack.size and pack.xxh3_128:
                 linked = dest.link_known(pack.path, pack.size, pack.xxh3_128)
             if linked is not None:
                 records.append(linked)
-                for vpath, prev, _, _ in uses:
-                    placed[vpath] = dataclasses.replace(prev, pack_record=linked)
+                for use in uses:
+                    placed[use[0]] = dataclasses.replace(use[1], pack_record=linked)
                 continue
-            for vpath, _, part, leaf in uses:
-                views.append((vpath, part, leaf.dtype))
-                viewed.add(leaf.index)
+            for _, _, (chunk, index) in uses:  # written after all, from where it is
+                if index is None:
+                    staged.append(chunk)
+                else:
+                    views.append(chunk)
+                    viewed.add(index)
         token = save_token()
         staged.sort(key=lambda chunk: chunk[1])
         packs = [(True, chunks) for chunks in group([(c, c[2]) for c in staged])]
@@ -323,28 +338,26 @@ class _StateSnapshot:
             (False, chunks)
             for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views])
         ]
-        slab = self._lease.slab.array if self._lease is not None else None
         budget = _Tickets(max(1, h.max_inflight_bytes // _MiB))
 
         def one(n: int, from_slab: bool, chunks: list[Any]) -> tuple[FileRecord, dict[str, Packed]]:
             name = f"packs/{process}.{token}.{n}"
             if from_slab:
                 assert slab is not None
-                return write_pack(dest, name, staged_pack(slab, chunks)[0])
+                return write_pack(dest, name, staged_pack(slab, chunks), digests)
             casts = sum(_size(p.shape) * want.itemsize for _, p, want in chunks if p.dtype != want)
             tickets = min(-(-casts // _MiB), budget.total)
             with budget.taking(tickets):
                 pack = Pack()
                 for vpath, part, want in chunks:
-                    data = part.astype(want) if part.dtype != want else part
-                    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                    raw = _raw(part, want)
                     pack.keep.append(raw)
                     pack.add(vpath, memoryview(raw))  # type: ignore[arg-type]
-                return write_pack(dest, name, pack)
+                return write_pack(dest, name, pack, digests)
 
         try:
             with concurrent.futures.ThreadPoolExecutor(
-                max_workers=h.threads or dest.writers,
+                max_workers=workers,
                 thread_name_prefix="cairn-write",
                 initializer=lower_thread_priority,
             ) as pool:
@@ -359,9 +372,51 @@ class _StateSnapshot:
         records.append(write_index(dest, process, placed))
         if self._staging is not None:
             self._remember(placed)
+            self._staging[0].remember_chunks(self._staging[1], placed)
         if process == 0:
             records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
+
+    def _match_previous(
+        self,
+        staged: list[tuple[str, int, int]],
+        views: list[tuple[str, np.ndarray, np.dtype]],
+        slab: np.ndarray | None,
+        unchanged: dict[str, list[tuple[str, Packed, Any]]],
+        digests: dict[str, str],
+        workers: int,
+    ) -> tuple[list[tuple[str, int, int]], list[tuple[str, np.ndarray, np.dtype]]]:
+        """Hash each chunk that the previous save recorded at the same path and size (staged, or
+        a view that needs no cast); one whose hash is the recorded one joins `unchanged`. The
+        staged chunks and views left to write are returned, and every hash made is put in
+        `digests` (a pack writes it without hashing the chunk again)."""
+        previous = self._previous
+        candidates: list[tuple[str, Any, memoryview, Packed]] = []
+        for chunk in staged:
+            vpath, at, nbytes = chunk
+            was = previous.get(vpath)
+            if slab is not None and was is not None and was.nbytes == nbytes:
+                data = memoryview(slab[at : at + nbytes])  # type: ignore[arg-type]
+                candidates.append((vpath, (chunk, None), data, was))
+        for view in views:
+            vpath, part, want = view
+            was = previous.get(vpath)
+            if was is not None and part.dtype == want and was.nbytes == part.nbytes:
+                data = memoryview(_raw(part, want))  # type: ignore[arg-type]
+                candidates.append((vpath, (view, int(vpath.split("/")[1])), data, was))
+        if not candidates:
+            return staged, views
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="cairn-write", initializer=lower_thread_priority
+        ) as pool:
+            hashed = list(pool.map(lambda c: xxhash.xxh3_128_hexdigest(c[2]), candidates))
+        same: set[str] = set()
+        for (vpath, fallback, _, was), digest in zip(candidates, hashed, strict=True):
+            digests[vpath] = digest
+            if digest == was.xxh3_128:
+                unchanged.setdefault(was.pack, []).append((vpath, was, fallback))
+                same.add(vpath)
+        return [c for c in staged if c[0] not in same], [v for v in views if v[0] not in same]
 
     def _check_sources(self, viewed: set[int]) -> None:
         """A donated buffer may have been overwritten while the write read it: fail then."""
@@ -570,6 +625,12 @@ def _chunks_of(
         yield key, part
 
 
+def _raw(part: np.ndarray, want: np.dtype) -> np.ndarray:
+    """A chunk's bytes as stored: cast to `want` if it differs, contiguous, as uint8."""
+    data = part.astype(want) if part.dtype != want else part
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # ml_dtypes lack buffers
+
+
 def _write_chunks(
     dest: Destination,
     jobs: list[tuple[str, np.ndarray, np.dtype]],
@@ -694,7 +755,7 @@ class TrainStateHandler:
         chunk_bytes: int = 64 * _MiB,
         max_inflight_bytes: int = 256 * _MiB,
         threads: int | None = None,
-        layout: str = "zarr",
+        layout: str = "packed",
     ) -> None:
         if layout not in ("zarr", "packed"):
             raise ValueError(
@@ -812,7 +873,10 @@ class TrainStateHandler:
         for kept in leaves:  # not staged: keep views of jax arrays (see the class docstring)
             if kept.staged is None:
                 kept.pieces = [(r, _private(d, kept)) for r, d in kept.pieces]
-        return _StateSnapshot(self, tree, leaves, lease, staging)
+        previous = None
+        if staging is not None and staging[0].remembers and self.layout == "packed":
+            previous = staging[0].recall_chunks(staging[1])
+        return _StateSnapshot(self, tree, leaves, lease, staging, previous)
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
         if self.save_dtype is None or not _is_float(dtype):
@@ -951,6 +1015,11 @@ class _LeafReader:
     def describe(self, relpath: str) -> str:
         return f"{self.stored.describe_file(relpath)} (leaf {keystr(self.path)})"
 
+    def describe_chunk(self, vpath: str, pack: str | None = None) -> str:
+        """A chunk of the packed layout, for messages: in its pack file, or in the item."""
+        where = self.stored.describe_file(pack) if pack else self.stored._where()[:-2]
+        return f"{where}, chunk {vpath} (leaf {keystr(self.path)})"
+
     def check(self) -> None:
         """Check the leaf's metadata and files (once; before anything is allocated)."""
         if self._checked:
@@ -999,7 +1068,7 @@ class _LeafReader:
             size = _size(self.chunk) * self.dtype.itemsize
             if _size(grid) > len(self.index):
                 raise CorruptCheckpointError(
-                    f"{self.describe(base)}: the leaf has {_size(grid)} chunks, the index lists "
+                    f"{self.describe_chunk(base)}: the leaf has {_size(grid)} chunks, the index lists "
                     f"{len(self.index)} for the item"
                 )
             for coords in itertools.product(*map(range, grid)):
@@ -1008,7 +1077,7 @@ class _LeafReader:
                 if where is None or where.nbytes != size:
                     got = "not indexed" if where is None else f"indexed with {where.nbytes} bytes"
                     raise CorruptCheckpointError(
-                        f"{self.describe(vpath)}: chunk {got}; the leaf needs {size} bytes"
+                        f"{self.describe_chunk(vpath)} is {got}; the leaf needs {size} bytes"
                     )
         self.stored.check_files("packs/")  # present, regular, not links, at those sizes
         self._checked = True
@@ -1026,7 +1095,7 @@ class _LeafReader:
         data = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         if self.index is not None:
             where = self.index[relpath]
-            read_packed_chunk(self.stored, where, data, self.describe(f"{relpath} in {where.pack}"))
+            read_packed_chunk(self.stored, where, data, self.describe_chunk(relpath, where.pack))
             return
         record = self.stored.files[relpath]
         tail = bytearray(4)

@@ -56,3 +56,21 @@ def gate() -> Iterator[Gate]:
 @pytest.fixture
 def gated_handler(gate: Gate) -> InMemoryHandler:
     return InMemoryHandler(on_write=gate)
+
+
+@pytest.fixture
+def zarr_layout() -> Iterator[None]:
+    """Pytrees saved in the zarr layout by default (``register`` with ``replace=True``, as a
+    user who wants TensorStore-readable leaves for a whole run does); the packed default after.
+    For tests of what the zarr layout writes: one directory and file per leaf and chunk."""
+    import numpy as np
+
+    from cairn.handlers import TrainStateHandler, register, registered_types
+
+    types = (dict, list, tuple, int, float, complex, np.ndarray, np.generic)
+    default = registered_types()[dict]
+    register(TrainStateHandler(layout="zarr"), *types, replace=True)
+    try:
+        yield
+    finally:
+        register(default, *types, replace=True)

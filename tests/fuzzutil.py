@@ -147,7 +147,10 @@ def _state(step: int) -> dict[str, Any]:
     }
 
 
-HANDLERS = {"state": TrainStateHandler(chunk_bytes=CHUNK_BYTES), "config": JsonHandler()}
+HANDLERS = {
+    "state": TrainStateHandler(chunk_bytes=CHUNK_BYTES, layout="zarr"),
+    "config": JsonHandler(),
+}
 PACKED = {**HANDLERS, "state": TrainStateHandler(chunk_bytes=CHUNK_BYTES, layout="packed")}
 KEEP_ITEMS = {"extra": KeepLatest(1)}
 

@@ -41,7 +41,7 @@ def test_verify_intact_and_damaged(tmp_path: Path) -> None:
         "step 30: ok",
         "3 steps checked, 0 damaged",
     ]
-    chunk = tmp_path / "checkpoint_20" / "state" / "arrays" / "0" / "0.0"
+    (chunk,) = (tmp_path / "checkpoint_20" / "state" / "packs").glob("0.*.0")
     data = bytearray(chunk.read_bytes())
     data[7] ^= 1
     chunk.write_bytes(bytes(data))
@@ -52,7 +52,7 @@ def test_verify_intact_and_damaged(tmp_path: Path) -> None:
     assert lines[0] == "step 10: ok"
     assert lines[1].startswith("step 20: DAMAGED: step 20, item 'state', file ")
     # The damaged file is named (the words of the check depend on the format version).
-    assert "arrays/0/0.0 " in lines[1]
+    assert f"{chunk.name} " in lines[1]
     assert lines[2].startswith("step 30: DAMAGED:") and "process_0-of-1.json is missing" in lines[2]
     assert lines[-1] == "3 steps checked, 2 damaged"
     one = cairn("verify", str(tmp_path), "--step", "10", "--json")
@@ -137,10 +137,15 @@ def test_verify_reads_a_shared_file_once(tmp_path: Path, capsys: pytest.CaptureF
         mp.setattr(FileRecord, "check", counting)
         code, out, _ = run_cli(capsys, "verify", str(tmp_path))
     assert code == 0 and "3 steps checked, 0 damaged" in out
-    frozen = [w for w in checked if w.endswith("/arrays/0/0")]
-    assert len(frozen) == 1 and "checkpoint_1" in frozen[0]  # steps 2 and 3 share that file
-    assert len([w for w in checked if w.endswith("/arrays/1/0")]) == 3  # "w" changed each step
-    chunk = tmp_path / "checkpoint_1" / "state" / "arrays" / "0" / "0"
+    packs = [w for w in checked if "/packs/0." in w]
+    (shared,) = [  # step 1's pack (frozen, and w of step 1), linked by steps 2 and 3
+        p.name
+        for p in (tmp_path / "checkpoint_3" / "state" / "packs").glob("0.*")
+        if (tmp_path / "checkpoint_1" / "state" / "packs" / p.name).exists()
+    ]
+    assert len([w for w in packs if w.endswith(shared)]) == 1  # read once, for step 1
+    assert len(packs) == 3  # that pack, and the packs of w that steps 2 and 3 wrote
+    chunk = tmp_path / "checkpoint_1" / "state" / "packs" / shared
     data = bytearray(chunk.read_bytes())
     data[-10] ^= 1  # the shared chunk: damaged in every step
     with open(chunk, "r+b") as f:

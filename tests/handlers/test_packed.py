@@ -75,14 +75,16 @@ def test_round_trip_views_and_staged(tmp_path: Path, zero_copy: bool) -> None:
 
 def test_a_zarr_step_and_a_packed_step_side_by_side(tmp_path: Path) -> None:
     """Either handler reads both layouts; the zarr layout is still written as version 1."""
-    with CheckpointManager(tmp_path) as m:
+    zarr = {"state": TrainStateHandler(layout="zarr")}
+    with CheckpointManager(tmp_path, handlers=zarr) as m:
         m.save(1, {"state": sample(1)})
     with CheckpointManager(tmp_path, handlers=packed()) as m:
         m.save(2, {"state": sample(2)})
         m.wait_until_finished()
         assert_tree_equal(host(m.restore(1)["state"]), host(sample(1)))
-    with CheckpointManager(tmp_path) as m:
+    with CheckpointManager(tmp_path, handlers=zarr) as m:
         assert_tree_equal(host(m.restore(2)["state"]), host(sample(2)))
+    assert TrainStateHandler().layout == "packed"  # the default
     assert manifest(tmp_path, 1)["items"]["state"]["version"] == 1
     assert manifest(tmp_path, 2)["items"]["state"]["version"] == 2
 
@@ -138,7 +140,7 @@ def test_a_damaged_chunk_is_named_and_the_others_still_restore(tmp_path: Path) -
         opts = TrainStateRestore(where=lambda path: path[-1] != "w")
         got = m.restore(1, {"state": opts})["state"]
         np.testing.assert_array_equal(got["opt"][2], sample(1)["opt"][2])
-        with pytest.raises(CorruptCheckpointError, match=rf"{w}/3\.0 in {pack}.*content hash"):
+        with pytest.raises(CorruptCheckpointError, match=rf"{pack}, chunk {w}/3\.0 .*content hash"):
             m.restore(1)
         problems = m.verify(1)
         assert len(problems) == 1 and pack in str(problems[0])
@@ -354,3 +356,23 @@ def test_packed_with_the_writer_process(tmp_path: Path) -> None:
             assert_tree_equal(host(m.restore(step)["state"]), host(sample(step)))
             assert m.info(step).items["state"].files[-2:] == ("packs/index.0.json", "tree.json")
             assert manifest(tmp_path, step)["items"]["state"]["version"] == 2
+
+
+def test_incremental_numpy_leaves_are_kept_by_their_content(tmp_path: Path) -> None:
+    """NumPy leaves are copied in save(): an unchanged one is found by the hash of its bytes
+    against what the previous save recorded for the chunk, and its pack is linked."""
+    frozen = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    with CheckpointManager(tmp_path, incremental=True, handlers=packed()) as m:
+        for step in (1, 2, 3):
+            m.save(step, {"state": {"frozen": frozen.copy(), "w": np.full(4, step)}})
+            m.wait_until_finished()
+        for step in (2, 3):
+            tm = m.info(step).telemetry
+            assert tm["bytes_written"] < 0.01 * tm["bytes"], tm
+        one = set(m.info(1).items["state"].files)
+        shared = one & set(m.info(3).items["state"].files) - {"packs/index.0.json", "tree.json"}
+        assert len(shared) == 1  # step 1's pack
+        for step in (1, 2, 3):
+            got = m.restore(step)["state"]
+            np.testing.assert_array_equal(got["frozen"], frozen)
+            assert got["w"][0] == step and m.verify(step) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -74,19 +75,30 @@ _POOL = StagingPool()
 @given(trees)
 def test_staged_train_state_writes_what_the_unstaged_one_writes(obj: Any) -> None:
     """Copied through a staging pool (as a manager's save() does from its second save on), any
-    tree writes the same files, byte for byte, and restores exactly."""
-    handler = TrainStateHandler(chunk_bytes=16)
-    root = Path(tempfile.mkdtemp())
-    try:
-        plain = {r.path: r.xxh3_128 for r in write_item(handler, obj, root / "plain")}
-        with staging_for(_POOL, "item"):
-            snap = handler.snapshot(obj)
-        if snap._lease is None:  # type: ignore[attr-defined]  # a new size: warmed, then staged
-            _POOL.wait()
+    tree writes the same files, byte for byte (zarr layout), or the same chunks (packed layout,
+    whose staged packs keep each chunk on a page boundary), and restores exactly."""
+    for layout in ("zarr", "packed"):
+        handler = TrainStateHandler(chunk_bytes=16, layout=layout)
+        root = Path(tempfile.mkdtemp())
+        try:
+            plain = written(write_item(handler, obj, root / "plain"), root / "plain")
             with staging_for(_POOL, "item"):
                 snap = handler.snapshot(obj)
-        staged = snap.write(root / "staged")
-        assert {r.path: r.xxh3_128 for r in staged} == plain
-        assert_tree_equal(handler.restore(stored(root / "staged", staged)), obj)
-    finally:
-        shutil.rmtree(root)
+            if snap._lease is None:  # type: ignore[attr-defined]  # a new size: warmed, then staged
+                _POOL.wait()
+                with staging_for(_POOL, "item"):
+                    snap = handler.snapshot(obj)
+            staged = snap.write(root / "staged")
+            assert written(staged, root / "staged") == plain
+            assert_tree_equal(handler.restore(stored(root / "staged", staged)), obj)
+        finally:
+            shutil.rmtree(root)
+
+
+def written(records: Any, root: Path) -> dict[str, Any]:
+    """What a write phase stored: each file's hash, or (packed) each chunk's size and hash."""
+    files = {r.path: r.xxh3_128 for r in records}
+    if "packs/index.0.json" not in files:
+        return files
+    index = json.loads((root / "packs/index.0.json").read_bytes())["chunks"]
+    return {"tree.json": files["tree.json"], **{k: (v[2], v[3]) for k, v in index.items()}}

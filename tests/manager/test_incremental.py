@@ -20,6 +20,9 @@ from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest
 FROZEN = "state/arrays/0/0"  # the frozen leaf's one chunk ("frozen" sorts before "lora")
 LORA = "state/arrays/1/0"
 
+# What the zarr layout writes and shares, file by file (tests/handlers/test_packed.py: packs).
+pytestmark = pytest.mark.usefixtures("zarr_layout")
+
 
 def state(step: int) -> dict[str, Any]:
     return {
@@ -162,7 +165,7 @@ def test_numpy_state_and_save_dtype(tmp_path: Path) -> None:
     from cairn.handlers import TrainStateHandler
 
     tree = {"w": np.linspace(0, 1, 1 << 18, dtype=np.float32), "b": np.ones(4, np.float32)}
-    handler = TrainStateHandler(save_dtype=jnp.bfloat16)
+    handler = TrainStateHandler(save_dtype=jnp.bfloat16, layout="zarr")
     with CheckpointManager(tmp_path, incremental=True, handlers={"state": handler}) as mgr:
         mgr.save(1, {"state": tree})
         mgr.save(2, {"state": {**tree, "b": tree["b"] * 2}})

@@ -28,6 +28,9 @@ FROZEN = "state/arrays/0/0"  # the frozen leaf's one chunk ("frozen" sorts befor
 LORA = "state/arrays/1/0"
 FROZEN_BYTES = 1 << 20
 
+# What the zarr layout writes and shares, file by file (tests/handlers/test_packed.py: packs).
+pytestmark = pytest.mark.usefixtures("zarr_layout")
+
 
 def state(step: int) -> dict[str, Any]:
     return {

@@ -325,23 +325,25 @@ def test_damaged_manifest_is_a_corrupt_step(
 
 
 def test_damaged_array_file_names_the_file_and_falls_back(tmp_path: Path) -> None:
-    """A flipped byte in array data: restore(step) names step and file; restore() takes the older step."""
+    """A flipped byte in array data: restore(step) names step, file and chunk; restore() takes the
+    older step."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"s": state(1)})
         mgr.save(2, {"s": state(2)})
-    victim = tmp_path / "checkpoint_2" / "s" / "arrays" / "0" / "0.0"  # a zarr3 chunk file
+    (victim,) = (tmp_path / "checkpoint_2" / "s" / "packs").glob("0.*.0")  # the one pack
     data = bytearray(victim.read_bytes())
-    data[10] ^= 1
+    data[10] ^= 1  # in the first chunk: leaf 'w'
     victim.write_bytes(bytes(data))
     with CheckpointManager(tmp_path, read_only=True) as mgr:
         with pytest.raises(
             CorruptCheckpointError,
-            match=r"step 2, item 's', file .*arrays/0/0\.0 \(leaf \['w'\]\) is not the chunk the manifest records",
+            match=rf"step 2, item 's', file .*{victim.name}, chunk arrays/0/0\.0 \(leaf \['w'\]\) "
+            "is not the chunk the index records",
         ):
             mgr.restore(2)
         assert_tree_equal(mgr.restore()["s"], state(1))
         victim.unlink()
-        with pytest.raises(CorruptCheckpointError, match=r"arrays/0/0\.0 is missing"):
+        with pytest.raises(CorruptCheckpointError, match=rf"{victim.name} is missing"):
             mgr.restore(2)
 
 

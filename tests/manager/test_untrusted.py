@@ -25,6 +25,9 @@ from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager, KeepLatest
 from cairn.manager._format import dump_checked
 
+# What the zarr layout writes and shares, file by file (tests/handlers/test_packed.py: packs).
+pytestmark = pytest.mark.usefixtures("zarr_layout")
+
 
 def digest_tree(top: Path) -> str:
     """Names, modes and contents of everything under `top` (links not followed)."""
@@ -46,7 +49,7 @@ def run(tmp_path: Path) -> tuple[Path, Path]:
     (victim / "sub").mkdir(parents=True)
     (victim / "secret.json").write_text('{"secret": 42}')
     (victim / "sub" / "keep.txt").write_text("keep me")
-    handlers = {"cfg": JsonHandler(), "state": TrainStateHandler(chunk_bytes=256)}
+    handlers = {"cfg": JsonHandler(), "state": TrainStateHandler(chunk_bytes=256, layout="zarr")}
     with CheckpointManager(root, handlers=handlers) as mgr:
         for step in (1, 2):
             state = {
