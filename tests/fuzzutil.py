@@ -1333,7 +1333,7 @@ class Case:
         self, rel: str, listed: tuple[int, str, str], before: bytes | None, after: bytes | None
     ) -> bool:
         """Whether a pack changed only in bytes that no index entry of its item covers."""
-        _, item, recpath = listed
+        recpath = listed[2]
         if not recpath.startswith("packs/") or "index" in recpath or before is None:
             return False
         if after is None or len(after) != len(before):
