@@ -43,7 +43,15 @@ from _common import REPO, RESULTS, SCRATCH, machine_facts, now, parse_size, spre
 
 CASES = ("lora", "frozen", "all")
 X, D = "\u00d7", "\u2013"  # for the tables
-SYSTEMS = ("cairn", "cairn-incremental", "orbax", "cairn-packed", "cairn-packed-incremental")
+SYSTEMS = (
+    "cairn",
+    "cairn-incremental",
+    "orbax",
+    "cairn-packed",
+    "cairn-packed-incremental",
+    "cairn-zarr",
+    "cairn-zarr-incremental",
+)
 DEFAULT_SYSTEMS = "cairn,cairn-incremental,orbax"
 
 
@@ -54,7 +62,8 @@ class Cairn(bts.CairnRunner):
 
         self.name = name
         self.abstract = abstract
-        handlers = {"state": TrainStateHandler(layout="packed")} if "packed" in name else None
+        layout = next((x for x in ("packed", "zarr") if x in name), None)
+        handlers = {"state": TrainStateHandler(layout=layout)} if layout else None
         self.mgr = CheckpointManager(
             directory,
             keep=KeepLatest(1),

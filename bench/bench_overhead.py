@@ -25,8 +25,9 @@ bench_train_state.py (172 jax CPU arrays), in one run:
 
 Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy=True``, when
 the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager); on
-request (``--systems``) ``cairn-incremental``, ``cairn-packed`` (``TrainStateHandler(layout=
-"packed")``) and ``cairn-process`` (``writer="process"``, whose writer's CPU is not among
+request (``--systems``) ``cairn-incremental``, ``cairn-packed`` and ``cairn-zarr``
+(``TrainStateHandler(layout=...)``; ``cairn`` is the default layout of the cairn under test:
+zarr before commit 3dd0082, packed since) and ``cairn-process`` (``writer="process"``, whose writer's CPU is not among
 cairn's threads: it shows in the training time lost). Run it
 on another cairn with ``PYTHONPATH`` pointing at a tree whose ``cairn/manager`` and
 ``cairn/handlers`` are that version's folders, and ``--label`` to name it (the "before" figures
@@ -76,6 +77,7 @@ from _common import (  # sets the environment jax reads at import: before jax
 X, D = "\u00d7", "\u2013"  # for the tables
 DEFAULT_PNG = REPO / "docs" / "benchmarks_overhead.png"
 WRITER_PNG = REPO / "docs" / "benchmarks_writer.png"  # --label process, with cairn-process
+PACKED_PNG = REPO / "docs" / "benchmarks_packed.png"  # --label packed, with cairn-packed
 SYSTEMS = (
     "cairn",
     "cairn-views",
@@ -83,7 +85,8 @@ SYSTEMS = (
     "cairn-incremental",
     "cairn-process",
     "cairn-packed",
-)  # last three on request
+    "cairn-zarr",
+)  # last four on request
 DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
 STEPS = ("decoder", "elementwise")
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -140,6 +143,7 @@ class Cairn(bts.CairnRunner):
             "cairn-incremental": {"incremental": True},
             "cairn-process": {"writer": "process"},
             "cairn-packed": {"handlers": {"state": TrainStateHandler(layout="packed")}},
+            "cairn-zarr": {"handlers": {"state": TrainStateHandler(layout="zarr")}},
         }[name]
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
 
@@ -671,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         if (RESULTS / "overhead-process.json").exists():  # the writer process against the thread
             plot.plot_overhead(RESULTS / "overhead-process.json", Path("-"), WRITER_PNG)
             print(f"wrote {WRITER_PNG}")
+        if (RESULTS / "overhead-packed.json").exists():  # the packed layout against the zarr one
+            plot.plot_overhead(RESULTS / "overhead-packed.json", Path("-"), PACKED_PNG)
+            print(f"wrote {PACKED_PNG}")
         return 0
     if args.quick:
         args.sizes, args.repeats, args.reps, args.baseline_s = "16M", 2, 2, 0.5

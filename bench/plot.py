@@ -407,6 +407,8 @@ def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
                 ("cairn", "cairn (pool)"),
                 ("cairn-views", "cairn zero_copy"),
                 ("cairn-process", "cairn writer=process"),
+                ("cairn-packed", "cairn packed"),
+                ("cairn-zarr", "cairn zarr"),
                 ("orbax", "Orbax"),
             ):
                 win = after["sizes"][label]["windows"][kind].get(name)

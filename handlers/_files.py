@@ -430,6 +430,7 @@ class Destination(abc.ABC):
         self._written_lock = threading.Lock()
         self._reusable: dict[tuple[int, str], str] = {}
         self._reuse_source: Source | None = None
+        self._reuse_records: dict[str, FileRecord] = {}
         self._incremental = False
 
     def reuse(self, source: Source | None, records: Iterable[FileRecord] = ()) -> None:
@@ -442,7 +443,15 @@ class Destination(abc.ABC):
         its step, or the bytes are written as usual."""
         self._reusable = {(r.size, r.xxh3_128): r.path for r in records if r.xxh3_128}
         self._reuse_source = source
+        self._reuse_records = {r.path: r for r in records}
         self._incremental = True
+
+    def previous(self) -> StoredItem | None:
+        """In an incremental save, the previous step's item (to read what it recorded, checked
+        against its manifest as any restore reads), or None."""
+        if self._reuse_source is None:
+            return None
+        return StoredItem(self._reuse_source, self._reuse_records)
 
     def link_known(self, relpath: str, size: int, digest: str) -> FileRecord | None:
         """Make `relpath` the previous step's file of this size and content hash without being

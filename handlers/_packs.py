@@ -188,12 +188,16 @@ def write_index(dest: Destination, process: int, placed: Mapping[str, Packed]) -
 # --------------------------------------------------------------------------- reading
 
 
-def load_index(stored: StoredItem) -> dict[str, Packed]:
-    """Every chunk of a packed item (vpath -> where it is), from all processes' index files,
-    each checked against its record and entry by entry: a pack the manifest lists under
-    ``packs/``, a range inside its recorded size, a content hash; no chunk listed twice."""
+def load_index(stored: StoredItem, process: int | None = None) -> dict[str, Packed]:
+    """Every chunk of a packed item (vpath -> where it is), from all processes' index files (or
+    process `process`'s), each checked against its record and entry by entry: a pack the
+    manifest lists under ``packs/``, a range inside its recorded size, a content hash; no chunk
+    listed twice."""
     out: dict[str, Packed] = {}
+    wanted = None if process is None else index_name(process)
     for relpath in sorted(p for p in stored.files if _INDEX.fullmatch(p)):
+        if wanted is not None and relpath != wanted:
+            continue
         where = stored.describe_file(relpath)
         index = parse_json(stored.read_bytes(relpath), where)
         chunks = index.get("chunks") if isinstance(index, dict) else None

@@ -311,8 +311,11 @@ class _StateSnapshot:
                         views.append(view)
                         viewed.add(leaf.index)
         digests: dict[str, str] = {}
-        if self._previous:
-            staged, views = self._match_previous(staged, views, slab, unchanged, digests, workers)
+        previous = self._previous or _previous_chunks(dest, process)
+        if previous:
+            staged, views = self._match_previous(
+                previous, staged, views, slab, unchanged, digests, workers
+            )
         records: list[FileRecord] = []
         placed: dict[str, Packed] = {}
         for uses in unchanged.values():
@@ -379,6 +382,7 @@ class _StateSnapshot:
 
     def _match_previous(
         self,
+        previous: Mapping[str, Packed],
         staged: list[tuple[str, int, int]],
         views: list[tuple[str, np.ndarray, np.dtype]],
         slab: np.ndarray | None,
@@ -390,7 +394,6 @@ class _StateSnapshot:
         a view that needs no cast); one whose hash is the recorded one joins `unchanged`. The
         staged chunks and views left to write are returned, and every hash made is put in
         `digests` (a pack writes it without hashing the chunk again)."""
-        previous = self._previous
         candidates: list[tuple[str, Any, memoryview, Packed]] = []
         for chunk in staged:
             vpath, at, nbytes = chunk
@@ -623,6 +626,20 @@ def _chunks_of(
             padded[: part.shape[0]] = part
             part = padded
         yield key, part
+
+
+def _previous_chunks(dest: Destination, process: int) -> Mapping[str, Packed]:
+    """In an incremental save without what this process's last save wrote (its first save, a
+    restarted process), the chunks the newest committed step's index of this process records;
+    nothing where it has none (the zarr layout, a first step) or its index does not check out
+    (the chunks are then written, not linked)."""
+    stored = dest.previous()
+    if stored is None:
+        return {}
+    try:
+        return load_index(stored, process)
+    except (CorruptCheckpointError, OSError):
+        return {}
 
 
 def _raw(part: np.ndarray, want: np.dtype) -> np.ndarray:

@@ -6,7 +6,8 @@
 Each step's content is a pure function of the step (`expected_state`, and with --dataset an
 iterator advanced `step` elements, kept by keep_items={"data": KeepLatest(1)}), so a checker can
 verify any step that survives. Its ``frozen`` leaf never changes, so with --incremental every
-step but the first links that chunk (and its zarr.json) to the step before, which retention then
+step but the first links the pack that holds it (in the packed layout, the default; the file of
+its chunk and its zarr.json in the zarr layout) to the step before, which retention then
 deletes. After each save() returns it prints ``saved <step>`` (flushed).
 With --late-metrics it then records ``eval`` for that step (record_metrics waits for the commit).
 
@@ -35,9 +36,11 @@ def expected_state(step: int) -> dict[str, Any]:
     return {
         "layers": [rng.standard_normal((128, 128)).astype(np.float32) for _ in range(6)],
         "bias": np.full(7, step, np.int64),
-        # 2 MiB in one chunk: staged, then written with O_DIRECT (a chunk of 1 MiB or more)
-        "embedding": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) + step,
-        "frozen": np.linspace(-1, 1, 256 * 1024, dtype=np.float32),  # 1 MiB, the same every step
+        # 1 MiB in one chunk: staged, then written with O_DIRECT (a chunk of 1 MiB or more)
+        "embedding": np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024) + step,
+        # 2 MiB, the same every step: more than half the pack it shares with the other leaves
+        # (the packed layout links a previous pack only then)
+        "frozen": np.linspace(-1, 1, 512 * 1024, dtype=np.float32),
         "step": step,
     }
 
