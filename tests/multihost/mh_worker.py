@@ -117,7 +117,10 @@ def incremental(procs: Any, directory: str) -> None:
     full = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # shards of 1 MiB: copied
     frozen = jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
     target = {"frozen": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding)}
-    with CheckpointManager(directory, keep=KeepLatest(2), incremental=True) as mgr:
+    from cairn.handlers import TrainStateHandler
+
+    zarr = {"state": TrainStateHandler(layout="zarr")}  # files per shard (tests of packs: packed)
+    with CheckpointManager(directory, keep=KeepLatest(2), incremental=True, handlers=zarr) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"state": {"frozen": frozen, "step": step}})
             mgr.wait_until_finished()
