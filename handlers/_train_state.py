@@ -1,16 +1,18 @@
-"""TrainStateHandler: JAX train states (pytrees of jax.Array / np.ndarray) as zarr3 arrays.
+"""TrainStateHandler: JAX train states (pytrees of jax.Array / np.ndarray), in packs or as zarr3.
 
-Layout of one item (docs/format.md)::
+Layouts of one item (docs/format.md): the packed layout (the default, version 2; its files in
+`cairn.handlers._packs`) keeps `tree.json` and puts the chunks of every leaf into a few pack
+files per process, found through an index; the zarr layout (``layout="zarr"``, version 1)::
 
     tree.json                   structure, key paths, per leaf: shape, dtype, chunk shape, file
     arrays/<i>/zarr.json        zarr v3 metadata of leaf i (bytes + crc32c codecs, "." keys)
     arrays/<i>/<c0>.<c1>...     chunk files: the raw little-endian bytes, then their crc32c
 
-Chunks tile each process's shards (so processes never write the same file) and are split along
-their first axis to at most `chunk_bytes`, so large arrays write and read in parallel. The files
-are standard zarr v3: TensorStore (or any zarr v3 reader) opens them. Restore reads the chunk
-files itself, each device only the chunks its slices overlap, and checks every file against the
-content hash in the manifest before its bytes are used.
+Chunks tile each process's shards (so processes never write the same chunk) and are split along
+their first axis to at most `chunk_bytes`, so large arrays write and read in parallel. The zarr
+layout's files are standard zarr v3: TensorStore (or any zarr v3 reader) opens them. Restore
+reads the chunks itself, each device only the chunks its slices overlap, and checks each against
+its content hash (the manifest's, or the index's) before its bytes are used.
 """
 
 from __future__ import annotations
@@ -676,9 +678,7 @@ def _write_chunks(
     def one(relpath: str, part: np.ndarray, want: np.dtype) -> FileRecord:
         tickets = min(max(1, part.nbytes // _MiB), budget.total) if part.dtype != want else 0
         with budget.taking(tickets):
-            data = part.astype(want) if tickets else part
-            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # ml_dtypes lack buffers
-            view = memoryview(raw)  # type: ignore[arg-type]
+            view = memoryview(_raw(part, want))  # type: ignore[arg-type]
             tail = crc32c.crc32c(view).to_bytes(4, "little")
             return dest.write_file(relpath, [view, tail])
 
@@ -731,7 +731,8 @@ class _Tickets:
 
 
 class TrainStateHandler:
-    """Saves and restores a training state: any JAX pytree of arrays and scalars, as zarr3.
+    """Saves and restores a training state: any JAX pytree of arrays and scalars, in packs
+    (`layout="packed"`, the default) or as zarr3 arrays (`layout="zarr"`).
 
     What is copied when (the snapshot, inside ``save()``):
 
@@ -750,11 +751,11 @@ class TrainStateHandler:
       the caller may change them in place; NumPy and Python scalars and the structure are
       captured as values.
 
-    Write phase (commit thread): chunk files are written by `threads` threads at low CPU and I/O
-    priority. A staged chunk gets its crc32c tail and content hash in one pass and is written
-    with O_DIRECT where the filesystem allows; views are written from the arrays' memory, no
-    copy unless `save_dtype` casts a leaf, which is done chunk by chunk within
-    `max_inflight_bytes`.
+    Write phase (commit thread): packs (or chunk files) are written by `threads` threads at low
+    CPU and I/O priority. Staged chunks are hashed a megabyte at a time as they go out and written
+    with O_DIRECT where the filesystem allows (a pack: spans of the pool's memory); views are
+    written from the arrays' memory, no copy unless `save_dtype` casts a leaf, within
+    `max_inflight_bytes` (a pack's casts at once).
 
     Options: `save_dtype` casts the floating leaves selected by `save_dtype_where` (a key-path
     predicate; default all floating leaves; T5X casts only ``params``) when writing; `chunk_bytes`
@@ -800,8 +801,8 @@ class TrainStateHandler:
 
     def __repr__(self) -> str:
         cast = f"save_dtype={self.save_dtype}, " if self.save_dtype is not None else ""
-        packed = ", layout='packed'" if self.layout == "packed" else ""
-        return f"TrainStateHandler({cast}chunk_bytes={self.chunk_bytes}{packed})"
+        zarr = ", layout='zarr'" if self.layout == "zarr" else ""
+        return f"TrainStateHandler({cast}chunk_bytes={self.chunk_bytes}{zarr})"
 
     # -------------------------------------------------------------- snapshot (caller thread)
 

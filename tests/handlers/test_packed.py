@@ -325,7 +325,8 @@ def test_tickets_are_taken_all_at_once() -> None:
 def test_the_layout_option_is_checked() -> None:
     with pytest.raises(ValueError, match="layout must be 'zarr' or 'packed', got 'flat'"):
         TrainStateHandler(layout="flat")
-    assert "layout='packed'" in repr(TrainStateHandler(layout="packed"))
+    assert "layout='zarr'" in repr(TrainStateHandler(layout="zarr"))
+    assert "layout" not in repr(TrainStateHandler())  # the default
 
 
 def test_packed_on_s3(s3_bucket: str) -> None:
@@ -389,3 +390,26 @@ def test_a_restarted_process_links_against_the_committed_index(tmp_path: Path) -
         tm = m.info(2).telemetry
         assert tm["bytes_written"] < 0.01 * tm["bytes"], tm
         np.testing.assert_array_equal(m.restore(2)["state"]["frozen"], frozen)
+
+
+def test_incremental_with_save_dtype_and_keep_items(tmp_path: Path) -> None:
+    """A frozen float32 leaf saved as bfloat16 (cast into the pool) matches the previous step's
+    chunk by the hash of its cast bytes; per-item retention drops the item from the step whose
+    pack a newer step links, and the newer step still restores."""
+    from cairn.manager import KeepLatest
+
+    frozen = jnp.linspace(0, 1, 1 << 21, dtype=jnp.float32)  # 8 MiB, 4 MiB as bfloat16
+    handlers = packed(save_dtype=jnp.bfloat16)
+    with CheckpointManager(
+        tmp_path, incremental=True, handlers=handlers, keep_items={"state": KeepLatest(1)}
+    ) as m:
+        for step in (1, 2, 3):
+            m.save(step, {"state": {"frozen": frozen * 1, "w": jnp.full(4, float(step))}})
+            m.wait_until_finished()
+        tm = m.info(3).telemetry
+        assert tm["bytes_written"] < 0.01 * tm["bytes"], tm
+        assert m.info(1).items["state"].dropped and m.info(2).items["state"].dropped
+        got = m.restore(3, {"state": TrainStateRestore({"frozen": frozen, "w": frozen[:4]})})
+        want = np.asarray(frozen.astype(jnp.bfloat16).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got["state"]["frozen"]), want)
+        assert m.verify(3) == []
