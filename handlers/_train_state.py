@@ -235,30 +235,21 @@ class _StateSnapshot:
         primary = writing_process()[0] == 0  # shared files once; every process its own shards
         metadata: list[tuple[str, bytes]] = []  # written by the same pool, first
         jobs: list[tuple[str, np.ndarray, np.dtype]] = []
-        staged: list[tuple[str, int, int]] = []
         linked: list[FileRecord] = []  # files of unchanged arrays, linked to the previous step
         viewed: set[int] = set()  # leaves written from views of their arrays
-        for leaf in self._leaves:
-            base = f"arrays/{leaf.index}"
+        for leaf in self._leaves if primary else ():
             meta = _zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
-            if primary:
-                metadata.append((f"{base}/zarr.json", json.dumps(meta).encode()))
-            if leaf.shared and not primary:
-                continue
-            if leaf.staged is not None:
-                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
-                continue
-            for region, data in leaf.pieces:
-                for key, part in _chunks_of(region, data, leaf.chunk):
-                    relpath = f"{base}/{key}"
-                    record = leaf.known.get(relpath) if leaf.known is not None else None
-                    if isinstance(record, FileRecord) and record.xxh3_128 is not None:
-                        reused = dest.link_known(relpath, record.size, record.xxh3_128)
-                        if reused is not None:
-                            linked.append(reused)
-                            continue
-                    viewed.add(leaf.index)
-                    jobs.append((relpath, part, leaf.dtype))
+            metadata.append((f"arrays/{leaf.index}/zarr.json", json.dumps(meta).encode()))
+        staged, others = self._chunks(primary)
+        for leaf, relpath, part in others:
+            record = leaf.known.get(relpath) if leaf.known is not None else None
+            if isinstance(record, FileRecord) and record.xxh3_128 is not None:
+                reused = dest.link_known(relpath, record.size, record.xxh3_128)
+                if reused is not None:
+                    linked.append(reused)
+                    continue
+            viewed.add(leaf.index)
+            jobs.append((relpath, part, leaf.dtype))
         try:
             slab = self._lease.slab if self._lease is not None else None
             records = _write_chunks(
@@ -289,29 +280,20 @@ class _StateSnapshot:
         chunks no step uses), as it does where a link cannot be made."""
         h = self._handler
         process = writing_process()[0]
-        staged: list[tuple[str, int, int]] = []
         views: list[tuple[str, np.ndarray, np.dtype]] = []
         viewed: set[int] = set()
         unchanged: dict[str, list[tuple[str, Packed, Any]]] = {}  # by pack: fallback to write
         slab = self._lease.slab.array if self._lease is not None else None
         workers = h.threads or dest.writers
-        for leaf in self._leaves:
-            if leaf.shared and process != 0:
-                continue
-            base = f"arrays/{leaf.index}"
-            if leaf.staged is not None:
-                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
-                continue
-            for region, data in leaf.pieces:
-                for key, part in _chunks_of(region, data, leaf.chunk):
-                    vpath = f"{base}/{key}"
-                    was = leaf.known.get(vpath) if leaf.known is not None else None
-                    view = (vpath, part, leaf.dtype)
-                    if isinstance(was, Packed):
-                        unchanged.setdefault(was.pack, []).append((vpath, was, (view, leaf.index)))
-                    else:
-                        views.append(view)
-                        viewed.add(leaf.index)
+        staged, others = self._chunks(process == 0)
+        for leaf, vpath, part in others:
+            was = leaf.known.get(vpath) if leaf.known is not None else None
+            view = (vpath, part, leaf.dtype)
+            if isinstance(was, Packed):
+                unchanged.setdefault(was.pack, []).append((vpath, was, (view, leaf.index)))
+            else:
+                views.append(view)
+                viewed.add(leaf.index)
         digests: dict[str, str] = {}
         previous = self._previous or _previous_chunks(dest, process)
         if previous:
@@ -381,6 +363,27 @@ class _StateSnapshot:
         if process == 0:
             records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
         return records
+
+    def _chunks(
+        self, primary: bool
+    ) -> tuple[list[tuple[str, int, int]], list[tuple[_Leaf, str, np.ndarray]]]:
+        """The chunks this process writes (shared leaves: the primary only): staged ones as
+        (path, slab offset, bytes), the others as (leaf, path, contiguous data)."""
+        staged: list[tuple[str, int, int]] = []
+        others: list[tuple[_Leaf, str, np.ndarray]] = []
+        for leaf in self._leaves:
+            if leaf.shared and not primary:
+                continue
+            base = f"arrays/{leaf.index}"
+            if leaf.staged is not None:
+                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
+                continue
+            for region, data in leaf.pieces:
+                others.extend(
+                    (leaf, f"{base}/{key}", part)
+                    for key, part in _chunks_of(region, data, leaf.chunk)
+                )
+        return staged, others
 
     def _match_previous(
         self,
