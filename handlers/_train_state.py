@@ -320,7 +320,8 @@ class _StateSnapshot:
                     viewed.add(index)
         token = save_token()
         staged.sort(key=lambda chunk: chunk[1])
-        packs = [(True, chunks) for chunks in group([(c, c[2]) for c in staged])]
+        # A staged chunk takes at most its slot in the slab (data, crc32c room, page padding).
+        packs = [(True, chunks) for chunks in group([(c, round_up(c[2] + 4)) for c in staged])]
         packs += [
             (False, chunks)
             for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views])
