@@ -10,7 +10,8 @@ A chunk is named as in the zarr layout (``arrays/<i>/<c0>.<c1>``, a *virtual* pa
 file exists) and holds the raw little-endian bytes, without the zarr layout's crc32c tail. The
 manifest records each pack and index file whole, as every file; the index binds each chunk's
 bytes to its place (its content hash), so a restore that reads part of a pack checks what it
-reads. A pack holds whole chunks, up to `PACK_BYTES` (one larger chunk has a pack of its own).
+reads. A pack holds whole chunks, up to `Destination.pack_bytes` (64 MiB on disk, 16 MiB in a
+bucket; one larger chunk has a pack of its own).
 
 Why: a step of the zarr layout is two files and a directory per leaf; creating, writing and
 syncing them cost a commit more than the bytes do for states of many small leaves. A packed step
@@ -35,7 +36,7 @@ from cairn.handlers._staging import PAGE, round_up
 from cairn.handlers.errors import CorruptCheckpointError
 
 PACKS = "packs/"
-PACK_BYTES = 64 << 20  # chunks per pack, in bytes: a pack is one write, one PUT, one link
+PACK_BYTES = 64 << 20  # the largest pack on disk (`Destination.pack_bytes`; 16 MiB in a bucket)
 _MiB = 1 << 20
 _INDEX = re.compile(r"packs/index\.(0|[1-9][0-9]{0,8})\.json")
 _HEX = re.compile(r"[0-9a-f]{32}")

@@ -268,7 +268,7 @@ class _StateSnapshot:
 
     def _write_packed(self, dest: Destination) -> list[FileRecord]:
         """The packed layout (`cairn.handlers._packs`): this process's chunks in packs of up to
-        `PACK_BYTES`, staged chunks in the slab's order (a pack is spans of the slab, written
+        `dest.pack_bytes` (64 MiB on disk, 16 MiB in a bucket), staged chunks in the slab's order (a pack is spans of the slab, written
         with O_DIRECT), then the other chunks; the packs are written by `threads` threads, then
         this process's index, then (the primary) tree.json.
 
@@ -321,10 +321,13 @@ class _StateSnapshot:
         token = save_token()
         staged.sort(key=lambda chunk: chunk[1])
         # A staged chunk takes at most its slot in the slab (data, crc32c room, page padding).
-        packs = [(True, chunks) for chunks in group([(c, round_up(c[2] + 4)) for c in staged])]
+        limit = dest.pack_bytes
+        packs = [
+            (True, chunks) for chunks in group([(c, round_up(c[2] + 4)) for c in staged], limit)
+        ]
         packs += [
             (False, chunks)
-            for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views])
+            for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views], limit)
         ]
         budget = _Tickets(max(1, h.max_inflight_bytes // _MiB))
 
