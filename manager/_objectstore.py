@@ -904,8 +904,21 @@ class _KvSource(Source):
         return len(data)
 
     def read(self, relpath: str, size: int) -> bytes:
+        return self._ranged(relpath, size, 0, size)
+
+    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
+        """One ranged GET of the bytes `buffer` takes (the object's size is not checked: the
+        caller checks the content's hash)."""
+        view = memoryview(buffer).cast("B")
+        data = self._ranged(relpath, size, offset, view.nbytes)
+        n = min(len(data), view.nbytes)
+        view[:n] = memoryview(data)[:n]
+        return n
+
+    def _ranged(self, relpath: str, size: int, offset: int, nbytes: int) -> bytes:
+        """`nbytes` of an object of `size` bytes (the manifest's) from `offset`: one GET."""
         try:
-            data = self._storage.store.read_prefix(self._prefix + relpath, size)
+            data = self._storage.store.read_prefix(self._prefix + relpath, nbytes, offset)
         except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
             raise CorruptCheckpointError(
                 f"{self.describe(relpath)} is shorter than the manifest says ({size} bytes): {e}"
@@ -913,22 +926,6 @@ class _KvSource(Source):
         if data is None:
             raise FileNotFoundError(self.describe(relpath))
         return data
-
-    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
-        """One ranged GET of the bytes `buffer` takes (the object's size is not checked: the
-        caller checks the content's hash)."""
-        view = memoryview(buffer).cast("B")
-        try:
-            data = self._storage.store.read_prefix(self._prefix + relpath, view.nbytes, offset)
-        except ValueError as e:
-            raise CorruptCheckpointError(
-                f"{self.describe(relpath)} is shorter than the manifest says ({size} bytes): {e}"
-            ) from None
-        if data is None:
-            raise FileNotFoundError(self.describe(relpath))
-        n = min(len(data), view.nbytes)
-        view[:n] = memoryview(data)[:n]
-        return n
 
     def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
         """A download of `relpaths` into a fresh local directory (removed at close)."""

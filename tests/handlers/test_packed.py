@@ -413,3 +413,21 @@ def test_incremental_with_save_dtype_and_keep_items(tmp_path: Path) -> None:
         want = np.asarray(frozen.astype(jnp.bfloat16).astype(jnp.float32))
         np.testing.assert_array_equal(np.asarray(got["state"]["frozen"]), want)
         assert m.verify(3) == []
+
+
+def test_a_cairn_that_reads_only_the_zarr_layout_refuses_a_packed_item(tmp_path: Path) -> None:
+    """What an older cairn (train-state version 1) does with a packed step: it refuses it by
+    the version the manifest records, and still reads a zarr-layout step."""
+    from cairn.manager import UnsupportedFormatError
+
+    class Older(TrainStateHandler):
+        version = 1
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"state": sample(1)})
+    with CheckpointManager(tmp_path, handlers={"state": TrainStateHandler(layout="zarr")}) as m:
+        m.save(2, {"state": sample(2)})
+    with CheckpointManager(tmp_path, handlers={"state": Older()}) as m:
+        with pytest.raises(UnsupportedFormatError, match="version 2; this cairn has version 1"):
+            m.restore(1)
+        assert_tree_equal(host(m.restore(2)["state"]), host(sample(2)))
