@@ -277,7 +277,7 @@ def write_file(root: Path | Destination, relpath: str, data: Buffer) -> FileReco
     return f.record
 
 
-BACKGROUND_NICE = 10
+BACKGROUND_NICE = 19
 
 _WRITING_PROCESS: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar(
     "cairn_writing_process", default=(0, 1)
@@ -518,30 +518,45 @@ class Destination(abc.ABC):
     #: disk, where a pack is written from the staging pool without a copy.
     pack_bytes: int = 16 << 20
 
-    def write_file(self, relpath: str, data: Pieces, *, xxh3_128: str | None = None) -> FileRecord:
+    def write_file(
+        self, relpath: str, data: Pieces, *, xxh3_128: str | Callable[[], str] | None = None
+    ) -> FileRecord:
         """Write a whole file (which must not exist yet) and return its record.
 
-        `xxh3_128` is the content hash of exactly these bytes when the caller computed it in a
-        pass of its own (the train state hashes each chunk as it computes its crc32c); the
-        destination hashes the bytes itself otherwise. A wrong one makes the step fail its
-        check on restore, never pass it.
+        `xxh3_128` is the content hash of exactly these bytes, or a function that computes it
+        (the train state's packs hash their chunks in the same pass), when the caller has its
+        own way; the destination hashes the bytes itself otherwise. A wrong one makes the step
+        fail its check on restore, never pass it.
+
+        The hash is computed once the bytes are stored, unless an incremental save needs it
+        first (to find a file of the previous step with the same content): a commit's hashing
+        then follows its writes instead of coming before all of them, so the train step right
+        after ``save()`` does not meet every writer thread hashing at once.
         """
         self._reserve(relpath)
         views = _views(data)
         size = sum(v.nbytes for v in views)
-        if xxh3_128 is None:
-            digest = xxhash.xxh3_128()
+
+        def digest() -> str:
+            if isinstance(xxh3_128, str):
+                return xxh3_128
+            if xxh3_128 is not None:
+                return xxh3_128()
+            hashed = xxhash.xxh3_128()
             for view in views:
-                digest.update(view)
-            xxh3_128 = digest.hexdigest()
-        reused = self._reuse_file(relpath, size, xxh3_128)
+                hashed.update(view)
+            return hashed.hexdigest()
+
+        known = digest() if self._incremental else None
+        reused = known is not None and self._reuse_file(relpath, size, known)
         if not reused:
             if self.budget is not None:
                 self.budget.take(size)
             stored = self._put(relpath, views)
+            known = known or digest()
             if self._incremental:  # the next save may link it unread
-                self._wrote(relpath, size, xxh3_128, stored)
-        record = FileRecord(relpath, size, xxh3_128=xxh3_128, reused=reused)
+                self._wrote(relpath, size, known, stored)
+        record = FileRecord(relpath, size, xxh3_128=known, reused=reused)
         with self._written_lock:
             self._written[relpath] = record
         return record

@@ -129,28 +129,32 @@ def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> _Pa
 def write_pack(
     dest: Destination, name: str, pack: _Pack, digests: Mapping[str, str] | None = None
 ) -> tuple[FileRecord, dict[str, Packed]]:
-    """Hash each chunk (unless `digests` has it) and the whole pack in one pass (a megabyte at
-    a time, while it is in the cache), then write it as one file."""
-    whole = xxhash.xxh3_128()
-    flat = _Flat(pack.pieces)
+    """Write `pack` as one file, and hash each chunk (unless `digests` has it) and the whole
+    pack in one pass (a megabyte at a time, while it is in the cache): after the write, unless
+    the destination needs the hash first (see `Destination.write_file`)."""
     known = digests or {}
-    placed: dict[str, Packed] = {}
     found: list[tuple[str, int, int, str]] = []
-    pos = 0
-    for vpath, at, nbytes in pack.chunks:
-        for block in flat.blocks(pos, at):
-            whole.update(block)  # padding
-        digest = None if vpath in known else xxhash.xxh3_128()
-        for block in flat.blocks(at, at + nbytes):
-            if digest is not None:
-                digest.update(block)
-            whole.update(block)
-        found.append((vpath, at, nbytes, known[vpath] if digest is None else digest.hexdigest()))
-        pos = at + nbytes
-    record = dest.write_file(name, pack.pieces, xxh3_128=whole.hexdigest())
-    for vpath, at, nbytes, hexdigest in found:
-        placed[vpath] = Packed(record, at, nbytes, hexdigest)
-    return record, placed
+
+    def hash_pass() -> str:
+        whole = xxhash.xxh3_128()
+        flat = _Flat(pack.pieces)
+        pos = 0
+        for vpath, at, nbytes in pack.chunks:
+            for block in flat.blocks(pos, at):
+                whole.update(block)  # padding
+            digest = None if vpath in known else xxhash.xxh3_128()
+            for block in flat.blocks(at, at + nbytes):
+                if digest is not None:
+                    digest.update(block)
+                whole.update(block)
+            found.append(
+                (vpath, at, nbytes, known[vpath] if digest is None else digest.hexdigest())
+            )
+            pos = at + nbytes
+        return whole.hexdigest()
+
+    record = dest.write_file(name, pack.pieces, xxh3_128=hash_pass)
+    return record, {vpath: Packed(record, at, n, hexdigest) for vpath, at, n, hexdigest in found}
 
 
 class _Flat:

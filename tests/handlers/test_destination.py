@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,41 @@ def test_records_must_be_what_was_written(tmp_path: Path) -> None:
         dest.finish("h", [good, good])
     with pytest.raises(TypeError, match="not a FileRecord"):
         dest.finish("h", ["a"])  # type: ignore[list-item]
+
+
+def test_the_hash_follows_the_write_unless_a_reuse_needs_it(tmp_path: Path) -> None:
+    """A commit hashes each file once it is stored (its writes start at once, the hashing
+    comes later, off the train step right after save()); an incremental save hashes first,
+    to link a previous file of the same content instead of writing it."""
+    events: list[str] = []
+
+    class Recording(LocalDestination):
+        def _put(self, relpath: str, pieces: list[memoryview]) -> None:
+            events.append(f"put {relpath}")
+            super()._put(relpath, pieces)
+
+    def hashed(data: bytes, name: str) -> Callable[[], str]:
+        def digest() -> str:
+            events.append(f"hash {name}")
+            return content_hash(data)
+
+        return digest
+
+    first = Recording(tmp_path / "1")
+    record = first.write_file("a", b"abcd", xxh3_128=hashed(b"abcd", "a"))
+    assert record == FileRecord("a", 4, xxh3_128=content_hash(b"abcd"))
+    first.write_file("b", b"efgh")  # hashed by the destination, also after the write
+    assert first.finish("h", [record]) == (record,)
+    assert events == ["put a", "hash a", "put b"]
+    assert first.finish("h", [FileRecord("b", 4)])[0].xxh3_128 == content_hash(b"efgh")
+
+    events.clear()
+    second = Recording(tmp_path / "2")
+    second.reuse(LocalSource(tmp_path / "1"), [record])
+    again = second.write_file("a", b"abcd", xxh3_128=hashed(b"abcd", "a"))
+    changed = second.write_file("c", b"wxyz", xxh3_128=hashed(b"wxyz", "c"))
+    assert again.reused and not changed.reused
+    assert events == ["hash a", "hash c", "put c"]  # "a" linked, never written
 
 
 def test_paths_are_written_once_and_inside(tmp_path: Path) -> None:
