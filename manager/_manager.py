@@ -147,7 +147,7 @@ class CheckpointManager:
     space, and `close` waits for it. `save()` copies arrays into the manager's staging pool
     (`zero_copy=False`), whose memory a "cairn-stage" thread faults in the first time a state of
     a size is saved; `wait_until_finished` and `close` wait for it, and `close` frees the pool.
-    Background threads run at a lower CPU and I/O priority (nice 10, best-effort level 7), so a
+    Background threads run at a lower CPU and I/O priority (nice 19, best-effort level 7), so a
     training step on busy cores goes first. Every byte goes through the directory's `Storage`
     (POSIX, object store, memory); the manager never asks which one it is.
 
