@@ -3,7 +3,7 @@
 Layout of one item (``TrainStateHandler(layout="packed")``, docs/format.md)::
 
     tree.json                   as in the zarr layout (each leaf's `f` names its chunks)
-    packs/<p>.<save>.<n>        process p's chunks; staged ones from 4 KiB boundaries, zeros between
+    packs/<p>.<save>.<n>        process p's chunks, one after the other (zeros between some)
     packs/index.<p>.json        for each chunk process p wrote: pack, offset, bytes, XXH3-128
 
 A chunk is named as in the zarr layout (``arrays/<i>/<c0>.<c1>``, a *virtual* path: no such
@@ -99,29 +99,42 @@ def group(sizes: Sequence[tuple[Any, int]], limit: int = PACK_BYTES) -> list[lis
     return groups
 
 
+def group_staged(
+    staged: Sequence[tuple[str, int, int]], limit: int
+) -> list[list[tuple[str, int, int]]]:
+    """Staged chunks (path, slab offset, bytes; in slab order) in packs of at most `limit`
+    bytes of the slab each (one larger chunk alone). With `limit` the `PACK_BYTES` that the
+    train state's staging used (`_train_state._stage_layout`), each pack starts where staging
+    put a page boundary, or where a chunk before it was left out (an unchanged chunk of an
+    incremental save)."""
+    packs: list[list[tuple[str, int, int]]] = []
+    start = 0
+    for chunk in staged:
+        at, nbytes = chunk[1], chunk[2]
+        if not packs or at + nbytes - start > limit:
+            packs.append([])
+            start = at
+        packs[-1].append(chunk)
+    return packs
+
+
 def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> _Pack:
-    """A pack of staged chunks (vpath, slab offset, bytes; in slab order, each from a page
-    boundary): spans of the slab, each chunk padded with zeros to a whole page, chunks that
-    follow each other in the slab (at most a page of tail room apart) in one span, so that a
-    pack of a whole save is written from the slab with O_DIRECT in one piece."""
+    """A pack of staged chunks (vpath, slab offset, bytes; in slab order): spans of the slab,
+    chunks that follow each other in the slab (at most a page apart, the bytes between them
+    zeroed) in one span, so that a pack of a whole save is written from the slab in one piece,
+    with O_DIRECT up to its last whole page where its first chunk starts on a page."""
     pack = _Pack()
     spans: list[list[int]] = []  # [start, end) in the slab
     for vpath, at, nbytes in chunks:
         if spans and 0 <= at - spans[-1][1] <= PAGE:
-            slab[spans[-1][1] : at] = 0  # the previous chunk's tail room
+            slab[spans[-1][1] : at] = 0  # whatever an earlier save left between the two
             pack.size += at - spans[-1][1]
             spans[-1][1] = at
         else:
             spans.append([at, at])
-        end = round_up(at + nbytes)
-        slab[at + nbytes : end] = 0  # whatever an earlier save left there
         pack.chunks.append((vpath, pack.size, nbytes))
-        pack.size += end - at
-        spans[-1][1] = end
-    last = chunks[-1]
-    trim = spans[-1][1] - (last[1] + last[2])  # the file ends with its last chunk
-    spans[-1][1] -= trim
-    pack.size -= trim
+        pack.size += nbytes
+        spans[-1][1] = at + nbytes
     pack.pieces = [memoryview(slab[a:b]) for a, b in spans]  # type: ignore[arg-type]
     return pack
 

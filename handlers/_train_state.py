@@ -44,8 +44,10 @@ from cairn.handlers._files import (
 )
 from cairn.handlers._optional import optional
 from cairn.handlers._packs import (
+    PACK_BYTES,
     Packed,
     group,
+    group_staged,
     is_packed,
     load_index,
     save_token,
@@ -320,11 +322,8 @@ class _StateSnapshot:
                     viewed.add(index)
         token = save_token()
         staged.sort(key=lambda chunk: chunk[1])
-        # A staged chunk takes at most its slot in the slab (data, crc32c room, page padding).
         limit = dest.pack_bytes
-        packs = [
-            (True, chunks) for chunks in group([(c, round_up(c[2] + 4)) for c in staged], limit)
-        ]
+        packs = [(True, chunks) for chunks in group_staged(staged, limit)]
         packs += [
             (False, chunks)
             for chunks in group([(v, _size(v[1].shape) * v[2].itemsize) for v in views], limit)
@@ -493,22 +492,37 @@ def _unchanged(
             yield leaf, entry[2]
 
 
-def _stage_layout(leaves: Sequence[_Leaf], *, known: bool = False) -> tuple[list[_Placed], int]:
+def _stage_layout(
+    leaves: Sequence[_Leaf], *, known: bool = False, packed: bool = False
+) -> tuple[list[_Placed], int]:
     """Where `_stage` puts each chunk of the leaves that do not own their pieces, and the slab
-    bytes that takes: each chunk (its data and the 4-byte crc32c tail) from a page boundary, so
-    that it can be written with O_DIRECT. Unchanged arrays (`known`, incremental saves) keep
-    views and are left out, unless `known` asks for them too (the size a slab is kept at)."""
+    bytes that takes. Unchanged arrays (`known`, incremental saves) keep views and are left
+    out, unless `known` asks for them too (the size a slab is kept at).
+
+    The zarr layout writes each chunk as a file of its own, with O_DIRECT: each chunk (its data
+    and the 4-byte crc32c tail) from a page boundary. The packed layout writes spans of the slab
+    as packs: chunks follow each other from 64-byte boundaries, and a chunk that would make a
+    pack larger than `PACK_BYTES` starts the next pack, from a page boundary (see
+    `group_staged`), so that small chunks do not take a page each on disk."""
     placed: list[_Placed] = []
     at = 0
+    pack_start = 0
     for leaf in leaves:
         if leaf.owned or (leaf.known is not None and not known):
             continue
         nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
         for region, data in leaf.pieces:
             for key, part in _chunk_parts(region, data, leaf.chunk):
+                if packed:
+                    at = round_up(at, _CHUNK_ALIGN)
+                    if at > pack_start and at + nbytes - pack_start > PACK_BYTES:
+                        at = pack_start = round_up(at)
                 placed.append((leaf, key, part, at, nbytes))
-                at += round_up(nbytes + 4)
+                at += nbytes if packed else round_up(nbytes + 4)
     return placed, at
+
+
+_CHUNK_ALIGN = 64  # a staged chunk of the packed layout starts on a cache line
 
 
 def _stage(placed: Sequence[_Placed], slab: Slab) -> None:
@@ -883,11 +897,12 @@ class TrainStateHandler:
         if staging is not None:  # inside a manager's save(): its pool, if it has room
             # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
             copies_anyway = not any(kept.sources for kept in leaves)
-            placed, size = _stage_layout(leaves)
+            packed = self.layout == "packed"
+            placed, size = _stage_layout(leaves, packed=packed)
             if any(kept.known is not None for kept in leaves):
                 # A slab for the whole state all the same: the next save may change every leaf,
                 # and a pool that shrank would fault a new one in then.
-                size = _stage_layout(leaves, known=True)[1]
+                size = _stage_layout(leaves, known=True, packed=packed)[1]
             lease = staging[0].lease(staging[1], size, now=copies_anyway)
         if lease is not None:
             try:
