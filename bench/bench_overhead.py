@@ -346,6 +346,10 @@ def run_size(
     quiet_logs()
     import orbax.checkpoint  # noqa: F401  (import time kept out of the measurements)
 
+    # and cairn's modules out of "memory held between saves"
+    import cairn.handlers
+    import cairn.manager  # noqa: F401
+
     quiet_logs()
     sampler = RssSampler(0.01)
     t_start = now()

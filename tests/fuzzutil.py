@@ -1300,6 +1300,8 @@ class Case:
 
     def manifest(self, step_dir: str) -> dict[str, Any]:
         obj = self.read_json(f"{step_dir}/{MANIFEST}")
+        if not isinstance(obj, dict):  # an earlier mutation replaced it: no target any more
+            raise TypeError(f"{step_dir}/{MANIFEST} is not a JSON object")
         obj.pop("crc32c", None)
         return dict(obj)
 
