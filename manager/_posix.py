@@ -344,12 +344,15 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
 
 
 def _remove_trash(trash: Path) -> None:
-    """Free the space of a retired step (slow on some filesystems; never on the commit path)."""
+    """Free the space of a retired step or dropped item (slow on some filesystems; never on the
+    commit path). What is not a directory is unlinked, never opened or followed: a link where a
+    step was, or a FIFO where an item's directory was, which rmtree would open and wait on
+    forever (and the reclaim thread with it, and `close()`)."""
     try:
-        if trash.is_symlink():  # a step that was a link: remove the link, never its target
-            trash.unlink()
-        else:
+        if stat.S_ISDIR(os.lstat(trash).st_mode):
             shutil.rmtree(trash)
+        else:
+            trash.unlink()
     except OSError as e:
         log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +55,35 @@ def test_only_the_item_leaves_older_steps(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, read_only=True) as reader:  # a new reader agrees
         assert reader.info(3).items["dataset"].dropped
         assert not reader.info(4).items["dataset"].dropped
+
+
+def test_a_fifo_where_a_dropped_item_was_is_removed_unopened(tmp_path: Path) -> None:
+    """A crafted step whose item directory is a FIFO: dropping the item unlinks it; opening it,
+    as rmtree does, would block the reclaim thread and close() for ever (found by the packed
+    fuzz soak)."""
+    with CheckpointManager(tmp_path, keep_items={"dataset": KeepLatest(1)}) as mgr:
+        save_steps(mgr, range(1, 2))
+        mgr.wait_until_finished()
+    item = tmp_path / "checkpoint_1" / "dataset"
+    shutil.rmtree(item)
+    os.mkfifo(item)
+    closed = threading.Event()
+
+    def run() -> None:
+        with CheckpointManager(tmp_path, keep_items={"dataset": KeepLatest(1)}) as mgr:
+            save_steps(mgr, range(2, 3))  # step 1's dataset is dropped: its FIFO goes to trash
+        closed.set()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    if not closed.wait(30):
+        with open(os.open(next(tmp_path.glob(".trash-*")), os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass  # let the blocked open return, so that the test process can end
+        pytest.fail("close() hung removing the FIFO")
+    worker.join()
+    assert not item.exists() and not list(tmp_path.glob(".trash-*"))
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert reader.info(1).items["dataset"].dropped
 
 
 def test_with_step_retention_and_steps_without_the_item(tmp_path: Path) -> None:
