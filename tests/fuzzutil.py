@@ -66,6 +66,7 @@ MANIFEST = "_CHECKPOINT.json"
 METRICS = "metrics.json"
 LOCK = ".cairn.lock"
 OP_SECONDS = 20.0
+APPLY_SECONDS = 5.0  # a later mutation of a case, applied by the harness (see Case.apply_all)
 ALLOC_SLACK = 64 * 2**20
 # FIFOs make every reader that opens them without O_NONBLOCK hang; CAIRN_FUZZ_FIFO=0 leaves them out.
 FIFOS = os.environ.get("CAIRN_FUZZ_FIFO", "1") != "0"
@@ -1361,10 +1362,16 @@ class Case:
             if i == 0:
                 self.apply(m)
                 continue
-            with contextlib.suppress(
-                OSError, KeyError, IndexError, TypeError, ValueError, RecursionError
-            ):
-                self.apply(m)
+            try:
+                with (
+                    deadline(APPLY_SECONDS),
+                    contextlib.suppress(
+                        OSError, KeyError, IndexError, TypeError, ValueError, RecursionError
+                    ),
+                ):
+                    self.apply(m)
+            except Hang:  # it opened a FIFO an earlier mutation put in place of its target
+                unblock_fifos(self.path)
         if len(muts) > 1:
             self.expect.damaged.clear()  # a later change may hide an earlier one (a deleted step)
             self.expect.unread.clear()
