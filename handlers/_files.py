@@ -553,7 +553,8 @@ class Destination(abc.ABC):
             if self.budget is not None:
                 self.budget.take(size)
             stored = self._put(relpath, views)
-            known = known or digest()
+            if known is None:
+                known = digest()
             if self._incremental:  # the next save may link it unread
                 self._wrote(relpath, size, known, stored)
         record = FileRecord(relpath, size, xxh3_128=known, reused=reused)
