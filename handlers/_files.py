@@ -178,19 +178,22 @@ _NAME_LIMIT = 255
 
 def check_relative(relpath: str) -> None:
     """A path inside an item: `/`-separated plain names (no empty, `.` or `..` part, no NUL or
-    control character, none longer than a filesystem allows). ValueError otherwise."""
+    control character, none longer than a filesystem allows, none that no filesystem can
+    name: a lone surrogate such as JSON's ``"\ud800"`` has no bytes). ValueError otherwise."""
     parts = relpath.split("/") if isinstance(relpath, str) else [""]
+    try:
+        sizes = [len(os.fsencode(p)) for p in parts]
+    except UnicodeEncodeError:
+        sizes = [-1]
     if (
         not relpath
-        or any(
-            p in ("", ".", "..") or len(p.encode("utf-8", "surrogatepass")) > _NAME_LIMIT
-            for p in parts
-        )
+        or any(p in ("", ".", "..") for p in parts)
+        or not all(0 <= n <= _NAME_LIMIT for n in sizes)
         or any(ord(c) < 0x20 or c == "\x7f" for c in relpath)
     ):
         raise ValueError(
             f"file path {relpath!r:.300} must be relative, of plain names (no '.', '..', empty "
-            "parts or control characters)"
+            "parts, control characters or lone surrogates)"
         )
 
 
