@@ -299,21 +299,25 @@ class PosixStorage:
         """Temporary and trash entries a crashed writer left behind, and half-written
         replacements of a step's manifest or metrics."""
         removed = []
-        for entry in os.scandir(self.root):
-            if entry.name.startswith((TRASH_PREFIX, _ROOT_TMP, SYNC_PREFIX)) or names.is_temporary(
-                entry.name
-            ):
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(entry.name)
-        for entry in os.scandir(self.root):
-            if entry.is_dir(follow_symlinks=False) and names.parse(entry.name) is not None:
-                for inner in os.scandir(entry.path):
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(
+                    (TRASH_PREFIX, _ROOT_TMP, SYNC_PREFIX)
+                ) or names.is_temporary(entry.name):
+                    _remove_entry(entry)
+                    removed.append(entry.name)
+        with os.scandir(self.root) as entries:
+            steps = [
+                e.path
+                for e in entries
+                if e.is_dir(follow_symlinks=False) and names.parse(e.name) is not None
+            ]
+        for step in steps:
+            with os.scandir(step) as inside:
+                for inner in inside:
                     if inner.name.startswith(_REPLACING):
-                        os.unlink(inner.path)
-                        removed.append(f"{entry.name}/{inner.name}")
+                        _remove_entry(inner)  # a directory of that name too (a crafted one)
+                        removed.append(f"{os.path.basename(step)}/{inner.name}")
         if removed:
             fsync_dir(self.root)
             log.info(
@@ -341,6 +345,15 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(directory)
+
+
+def _remove_entry(entry: os.DirEntry[str]) -> None:
+    """Remove a directory entry cairn's names claim: a directory with what is in it, anything
+    else (a file, a link, a FIFO) unlinked, never followed or opened."""
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path)
+    else:
+        os.unlink(entry.path)
 
 
 def _remove_trash(trash: Path) -> None:

@@ -121,6 +121,23 @@ def test_crash_between_manifest_and_trash_is_cleaned(tmp_path: Path) -> None:
         assert (tmp_path / "checkpoint_2" / "dataset").is_dir()
 
 
+def test_a_directory_named_as_a_half_written_manifest_is_removed(tmp_path: Path) -> None:
+    """A crafted step holding a directory (with a link out in it) under the name of a manifest
+    being replaced: a writable start removes it, link unfollowed, instead of failing with
+    IsADirectoryError (found by the fuzz soak); the step restores."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        save_steps(mgr, range(1, 2))
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "keep").write_bytes(b"x")
+    crafted = tmp_path / "run" / "checkpoint_1" / "._CHECKPOINT.json.tmp-cccc"
+    crafted.mkdir()
+    os.symlink(tmp_path / "victim", crafted / "out")
+    with CheckpointManager(tmp_path / "run") as mgr:
+        assert not crafted.exists()
+        assert mgr.restore(1)["state"] == {"w": [1]}
+    assert (tmp_path / "victim" / "keep").read_bytes() == b"x"
+
+
 @pytest.mark.parametrize(
     ("keep_items", "error", "match"),
     [
