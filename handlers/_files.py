@@ -182,13 +182,13 @@ def check_relative(relpath: str) -> None:
     name: a lone surrogate such as JSON's ``"\ud800"`` has no bytes). ValueError otherwise."""
     parts = relpath.split("/") if isinstance(relpath, str) else [""]
     try:
-        sizes = [len(os.fsencode(p)) for p in parts]
-    except UnicodeEncodeError:
-        sizes = [-1]
+        unnameable = any(len(os.fsencode(p)) > _NAME_LIMIT for p in parts)
+    except UnicodeEncodeError:  # a lone surrogate
+        unnameable = True
     if (
         not relpath
+        or unnameable
         or any(p in ("", ".", "..") for p in parts)
-        or not all(0 <= n <= _NAME_LIMIT for n in sizes)
         or any(ord(c) < 0x20 or c == "\x7f" for c in relpath)
     ):
         raise ValueError(

@@ -304,7 +304,7 @@ class PosixStorage:
                 if entry.name.startswith(
                     (TRASH_PREFIX, _ROOT_TMP, SYNC_PREFIX)
                 ) or names.is_temporary(entry.name):
-                    _remove_entry(entry)
+                    _remove(entry.path)
                     removed.append(entry.name)
         with os.scandir(self.root) as entries:
             steps = [
@@ -316,7 +316,7 @@ class PosixStorage:
             with os.scandir(step) as inside:
                 for inner in inside:
                     if inner.name.startswith(_REPLACING):
-                        _remove_entry(inner)  # a directory of that name too (a crafted one)
+                        _remove(inner.path)  # a directory of that name too (a crafted one)
                         removed.append(f"{os.path.basename(step)}/{inner.name}")
         if removed:
             fsync_dir(self.root)
@@ -347,25 +347,21 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
-def _remove_entry(entry: os.DirEntry[str]) -> None:
-    """Remove a directory entry cairn's names claim: a directory with what is in it, anything
-    else (a file, a link, a FIFO) unlinked, never followed or opened."""
-    if entry.is_dir(follow_symlinks=False):
-        shutil.rmtree(entry.path)
+def _remove(path: str | Path) -> None:
+    """Remove an entry cairn's names claim: a directory with what is in it; anything else (a
+    file, a link, a FIFO) unlinked, never followed or opened. rmtree opens its top, and a FIFO
+    there (where a crafted step had an item's directory) would block it for ever."""
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
     else:
-        os.unlink(entry.path)
+        os.unlink(path)
 
 
 def _remove_trash(trash: Path) -> None:
     """Free the space of a retired step or dropped item (slow on some filesystems; never on the
-    commit path). What is not a directory is unlinked, never opened or followed: a link where a
-    step was, or a FIFO where an item's directory was, which rmtree would open and wait on
-    forever (and the reclaim thread with it, and `close()`)."""
+    commit path), as `_remove` does: the reclaim thread, and `close()`, never wait on a FIFO."""
     try:
-        if stat.S_ISDIR(os.lstat(trash).st_mode):
-            shutil.rmtree(trash)
-        else:
-            trash.unlink()
+        _remove(trash)
     except OSError as e:
         log.warning("cairn: could not finish removing %s (the next start will): %s", trash, e)
 
