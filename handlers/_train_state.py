@@ -190,6 +190,15 @@ class _Leaf:
 
 
 class _StateSnapshot:
+    """A train state as `TrainStateHandler.snapshot` captured it: staged chunks (in the lease's
+    slab, maybe still being copied: `_Copying`), views and values.
+
+    Threads: made on the caller thread, which may call `settle` (the manager's ``save()`` does,
+    after handing the snapshot to the commit thread); `write` runs once, on the commit thread
+    (or in the writer process, on a copy sent only once settled), and waits for the copies
+    into each span of the slab it writes; `release` may come from either thread, and waits
+    for the copies first."""
+
     def __init__(
         self,
         handler: TrainStateHandler,
@@ -198,6 +207,7 @@ class _StateSnapshot:
         lease: Lease | None,
         staging: tuple[StagingPool, str] | None = None,
         previous: Mapping[str, Packed] | None = None,
+        copying: _Copying | None = None,
     ) -> None:
         self._handler = handler
         self._tree = tree
@@ -205,14 +215,27 @@ class _StateSnapshot:
         self._lease = lease
         self._staging = staging
         self._previous = previous or {}  # incremental, packed: the last save's chunks
+        self._copying = copying
 
     @property
     def version(self) -> int:
         """The layout version this save writes (the manifest's): 2 packed, 1 zarr."""
         return 2 if self._handler.layout == "packed" else 1
 
+    def settle(self) -> None:
+        """Until the snapshot no longer reads the caller's arrays (every staging copy is done);
+        a failed copy raises here, and fails the write too."""
+        if self._copying is not None:
+            self._copying.wait()
+
+    def _staged_until(self, end: int) -> None:
+        """Until the slab holds its bytes before offset `end` (the write of a span waits)."""
+        if self._copying is not None:
+            self._copying.wait(end)
+
     def __getstate__(self) -> dict[str, Any]:
         """The writer process's copy: the slab (sent as its memfd), not the pool's lease."""
+        self.settle()
         slab = self._lease.slab if self._lease is not None else None
         return {"handler": self._handler, "tree": self._tree, "leaves": self._leaves, "slab": slab}
 
@@ -225,9 +248,15 @@ class _StateSnapshot:
         """Give the staging slab back to the pool (the writer process has written it), and
         let go of every view of it: a traceback that keeps this snapshot alive (a kept commit
         error) must not keep the shared memory mapped after the manager closed."""
+        self._let_go()
+        self._lease, self._leaves = None, []
+
+    def _let_go(self) -> None:
+        """Give the slab back to the pool, once no copy writes into it any more."""
+        if self._copying is not None:
+            self._copying.wait(quiet=True)
         if self._lease is not None:
             self._lease.release()
-        self._lease, self._leaves = None, []
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)
@@ -255,11 +284,17 @@ class _StateSnapshot:
         try:
             slab = self._lease.slab if self._lease is not None else None
             records = _write_chunks(
-                dest, jobs, h.max_inflight_bytes, h.threads or dest.writers, metadata, slab, staged
+                dest,
+                jobs,
+                h.max_inflight_bytes,
+                h.threads or dest.writers,
+                metadata,
+                slab,
+                staged,
+                self._staged_until,
             )
         finally:
-            if self._lease is not None:  # the next save may stage into it now
-                self._lease.release()
+            self._let_go()  # the next save may stage into it now
         self._check_sources(viewed)
         records += linked
         if self._staging is not None:
@@ -299,6 +334,7 @@ class _StateSnapshot:
         digests: dict[str, str] = {}
         previous = self._previous or _previous_chunks(dest, process)
         if previous:
+            self.settle()  # every staged chunk may be hashed
             staged, views = self._match_previous(
                 previous, staged, views, slab, unchanged, digests, workers
             )
@@ -334,6 +370,7 @@ class _StateSnapshot:
             name = f"packs/{process}.{token}.{n}"
             if from_slab:
                 assert slab is not None
+                self._staged_until(chunks[-1][1] + chunks[-1][2])
                 return write_pack(dest, name, staged_pack(slab, chunks), digests)
             casts = sum(_size(p.shape) * want.itemsize for _, p, want in chunks if p.dtype != want)
             tickets = min(-(-casts // _MiB), budget.total)
@@ -353,8 +390,7 @@ class _StateSnapshot:
             ) as pool:
                 written = list(pool.map(lambda job: one(job[0], *job[1]), enumerate(packs)))
         finally:
-            if self._lease is not None:  # the next save may stage into it now
-                self._lease.release()
+            self._let_go()  # the next save may stage into it now
         for record, chunks in written:
             records.append(record)
             placed.update(chunks)
@@ -525,20 +561,26 @@ def _stage_layout(
 _CHUNK_ALIGN = 64  # a staged chunk of the packed layout starts on a cache line
 
 
-def _stage(placed: Sequence[_Placed], slab: Slab) -> None:
-    """Copy each placed chunk into `slab` (cast to the stored dtype, little-endian, edge chunks
-    padded with zeros), on two threads; the leaves then hold their slab offsets and no longer
-    reference the arrays they came from."""
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
+def _stage(placed: Sequence[_Placed], lease: Lease) -> _Copying | None:
+    """Copy each placed chunk into the lease's slab (cast to the stored dtype, little-endian,
+    edge chunks padded with zeros); the leaves then hold their slab offsets and no longer
+    reference the arrays they came from. Copies of less than `_COPY_PIECE` in all are done
+    here (None); larger ones go to the copy pool's two threads, and the `_Copying` returned
+    tells when each span of the slab is filled."""
+    copies: list[tuple[np.ndarray, np.ndarray, int]] = []  # into, from, slab offset after
     for leaf, key, part, at, nbytes in placed:
-        dst = slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
+        dst = lease.slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
         if not leaf.chunk:
-            copies.append((dst, part.reshape(())))
+            copies.append((dst, part.reshape(()), at + nbytes))
         else:
             rows = part.shape[0]
+            row = dst[:1].nbytes
             step = max(1, _COPY_PIECE // max(1, part[:1].nbytes))
             copies.extend(
-                (dst[r : min(r + step, rows)], part[r : r + step]) for r in range(0, rows, step)
+                (dst[r : r + step], part[r : r + step], at + (r + step) * row)
+                if r + step < rows
+                else (dst[r:rows], part[r:], at + nbytes)  # the chunk's end: padding included
+                for r in range(0, rows, step)
             )
             if rows < dst.shape[0]:
                 dst[rows:] = 0  # the padded edge chunk (see _choose_chunk)
@@ -547,14 +589,70 @@ def _stage(placed: Sequence[_Placed], slab: Slab) -> None:
         leaf.staged.append((key, at, nbytes))
     for leaf, *_ in placed:
         leaf.pieces, leaf.sources, leaf.owned = [], [], True
-    if sum(d.nbytes for d, _ in copies) < _COPY_PIECE:
-        for dst, src in copies:
+    if sum(d.nbytes for d, _, _ in copies) < _COPY_PIECE:
+        for dst, src, _ in copies:
             np.copyto(dst, src, casting="unsafe")
-        return
-    for _ in _shared_pool("cairn-copy", 2).map(
-        lambda c: np.copyto(c[0], c[1], casting="unsafe"), copies
-    ):
-        pass
+        return None
+    return _Copying(copies, lease)
+
+
+class _Copying:
+    """The staging copies of one snapshot, in slab order, on the copy pool's two threads. The
+    snapshot returns while they run, so that its save can hand the commit over at once: the
+    writes of a span of the slab wait only for the copies into it (`wait(end)`), and the
+    manager's ``save()`` waits for all of them (`_StateSnapshot.settle`) before it returns, so
+    the caller may donate or change its arrays from then on.
+
+    Threads: made on the caller thread; each copy reports from a pool thread; any thread may
+    wait. It holds the lease until the last copy is done, so that the slab cannot go back to
+    its pool (for another save to stage into) while a copy still writes into it."""
+
+    def __init__(self, copies: list[tuple[np.ndarray, np.ndarray, int]], lease: Lease) -> None:
+        self._ends = [end for _, _, end in copies]
+        self._done = [False] * len(copies)
+        self._prefix = 0  # copies done, counted from the first
+        self._left = len(copies)
+        self._error: BaseException | None = None
+        self._lease: Lease | None = lease
+        self._cond = threading.Condition()
+        pool = _shared_pool("cairn-copy", 2)
+        for n, (dst, src, _) in enumerate(copies):
+            pool.submit(self._copy, n, dst, src)
+
+    def _copy(self, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+        error = None
+        try:
+            np.copyto(dst, src, casting="unsafe")
+        except BaseException as e:  # kept for the waiters: the pool's thread carries on
+            error = e
+        with self._cond:
+            self._error = self._error or error
+            self._done[n] = True
+            while self._prefix < len(self._done) and self._done[self._prefix]:
+                self._prefix += 1
+            self._left -= 1
+            if not self._left:
+                self._lease = None
+            self._cond.notify_all()
+
+    def _copied(self, end: int | None) -> bool:
+        if not self._left:
+            return True
+        return end is not None and self._prefix > 0 and self._ends[self._prefix - 1] >= end
+
+    def wait(self, end: int | None = None, *, quiet: bool = False) -> None:
+        """Until every copy into the slab before offset `end` (all, without it) is done. A failed
+        copy raises then, whichever span it was in (once the others have ended), unless
+        `quiet`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._copied(end) or self._error is not None)
+            if self._error is None:
+                return
+            self._cond.wait_for(lambda: not self._left)
+            if not quiet:
+                raise RuntimeError(
+                    f"copying the train state into staging memory failed: {self._error!r}"
+                ) from self._error
 
 
 def _zarr_metadata(
@@ -679,6 +777,7 @@ def _write_chunks(
     small: Sequence[tuple[str, bytes]] = (),
     slab: Slab | None = None,
     staged: Sequence[tuple[str, int, int]] = (),
+    staged_until: Callable[[int], None] = lambda end: None,
 ) -> list[FileRecord]:
     """Write chunk files (data, then its crc32c) on a few threads; hashes and writes release the GIL.
     The `small` files (each leaf's zarr.json) go first, on the same threads: on an object store
@@ -689,7 +788,8 @@ def _write_chunks(
 
     `staged` chunks are in `slab` at page-aligned offsets with room for their tail: the crc32c
     and the content hash are computed together, a megabyte at a time (one pass over memory),
-    the tail is put after the data, and the file goes out in one piece (O_DIRECT on disk).
+    the tail is put after the data, and the file goes out in one piece (O_DIRECT on disk),
+    once `staged_until` says the copy into the slab got past it.
     Other pieces (`jobs`) are written straight from the snapshot's memory (no copy) unless a
     save_dtype cast is due, which allocates one chunk at a time; `max_inflight_bytes` bounds
     those casts in flight.
@@ -705,6 +805,7 @@ def _write_chunks(
 
     def one_staged(relpath: str, at: int, nbytes: int) -> FileRecord:
         assert slab is not None
+        staged_until(at + nbytes)
         file = slab.array[at : at + nbytes + 4]
         data = memoryview(file[:nbytes])  # type: ignore[arg-type]
         crc, digest = 0, xxhash.xxh3_128()
@@ -904,9 +1005,10 @@ class TrainStateHandler:
                 # and a pool that shrank would fault a new one in then.
                 size = _stage_layout(leaves, known=True, packed=packed)[1]
             lease = staging[0].lease(staging[1], size, now=copies_anyway)
+        copying = None
         if lease is not None:
             try:
-                _stage(placed, lease.slab)
+                copying = _stage(placed, lease)
             except BaseException:
                 lease.release()
                 raise
@@ -916,7 +1018,7 @@ class TrainStateHandler:
         previous = None
         if staging is not None and staging[0].remembers and self.layout == "packed":
             previous = staging[0].recall_chunks(staging[1])
-        return _StateSnapshot(self, tree, leaves, lease, staging, previous)
+        return _StateSnapshot(self, tree, leaves, lease, staging, previous, copying)
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
         if self.save_dtype is None or not _is_float(dtype):

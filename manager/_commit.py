@@ -38,6 +38,8 @@ class SaveJob:
     incremental: bool = False  # files the previous step has are linked, not written
     #: the newest committed step (name, manifest) whose files this one may reuse (incremental)
     previous: tuple[str, Manifest] | None = None
+    #: set by save() when it returns, `blocked_s` final; the commit waits for it (None: no wait)
+    settled: threading.Event | None = None
 
 
 def commit_step(
@@ -105,6 +107,8 @@ def commit_step(
                 return None
             _merge_reports(records, procs.reports(f"{key}/written"), procs.index, job.step)
             checked.result()
+        if job.settled is not None:  # its blocked_s: the copies it waited for are done
+            job.settled.wait()
         manifest = build_manifest(job, records, time.monotonic() - t0)
         step.commit(manifest)  # the commit point
     except BaseException:

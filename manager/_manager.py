@@ -406,6 +406,8 @@ class CheckpointManager:
 
         Runs each item's snapshot on this thread, then hands the write and commit to the commit
         thread (or runs them here when ``async_save=False``, raising their errors directly).
+        The train state's copies into staging memory run on while the commit starts writing;
+        save() returns once they are done, so the caller may then donate or change its arrays.
         Raises StepAlreadyExistsError for a committed or in-flight step, with or without `force`.
         Every argument is checked before anything is captured or written.
         """
@@ -461,11 +463,13 @@ class CheckpointManager:
             blocked_s=time.monotonic() - entered,
             budget=self._budget,
             incremental=self._incremental,
+            settled=threading.Event(),
         )
         packed = None
-        if self._in_process:
+        if self._executor is None or self._in_process:  # committed here, or sent: copies first
             try:
-                packed = pack_job(job)
+                _settle(job, entered)
+                packed = pack_job(job) if self._in_process else None
             except BaseException:
                 self._abandon(snapshots)
                 raise
@@ -485,6 +489,7 @@ class CheckpointManager:
                 self._catalog.committed(step, None)
                 self._abandon(snapshots)
                 raise
+        _settle(job, entered, handed=True)  # the commit writes each span as its copy ends
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
         return True
@@ -1385,6 +1390,27 @@ def _start_writer(spec: Mapping[str, Any], pass_fds: list[int]) -> WriterProcess
             f"could not start a writer process ({type(e).__name__}: {e}); nothing was saved. "
             "Use writer='thread' where processes cannot be started"
         ) from e
+
+
+def _settle(job: _commit.SaveJob, entered: float, *, handed: bool = False) -> None:
+    """Caller thread, in save(): until no snapshot reads the caller's objects any more (the
+    train state's staging copies run on while the save is handed over), then the time save()
+    blocked goes to the job, whose commit waits for it (`SaveJob.settled`). A failed copy
+    raises here before the hand-off; after it (`handed`), it is the commit's error, reported
+    as any other (the commit's write waits for the same copies and fails)."""
+    try:
+        for _, snapshot in job.snapshots.values():
+            settle = getattr(snapshot, "settle", None)
+            if callable(settle):
+                try:
+                    settle()
+                except Exception:
+                    if not handed:
+                        raise
+    finally:
+        job.blocked_s = time.monotonic() - entered
+        if job.settled is not None:
+            job.settled.set()
 
 
 def _release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:

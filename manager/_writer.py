@@ -179,7 +179,7 @@ class _Unpickler(pickle.Unpickler):
 def pack_job(job: Any) -> tuple[bytes, list[int]]:
     """The bytes and descriptors that hand `job` (a SaveJob) to the writer process; TypeError
     naming the item whose handler or snapshot cannot be sent."""
-    sendable = dataclasses.replace(job, budget=None, previous=None)
+    sendable = dataclasses.replace(job, budget=None, previous=None, settled=None)
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     try:

@@ -245,11 +245,20 @@ def test_a_failed_write_phase_gives_its_slab_back(tmp_path: Path) -> None:
     assert pool.lease("state", MiB) is not None
 
 
-def test_staged_and_unstaged_snapshots_write_the_same_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("copy_piece", [None, 4096])
+def test_staged_and_unstaged_snapshots_write_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_piece: int | None
+) -> None:
     """Edge chunks padded, a save_dtype cast, big-endian input, scalars, empty and bool leaves:
     the staged copy writes byte for byte what the unstaged path writes (the zarr layout; for the
-    packed one, tests/handlers/test_tree_properties.py compares chunks)."""
+    packed one, tests/handlers/test_tree_properties.py compares chunks). With 4 KiB copy
+    pieces, the copies run on the pool while the write waits for each chunk's."""
     import ml_dtypes
+
+    from cairn.handlers import _train_state
+
+    if copy_piece is not None:
+        monkeypatch.setattr(_train_state, "_COPY_PIECE", copy_piece)
 
     rng = np.random.default_rng(3)
     state = {
@@ -269,6 +278,7 @@ def test_staged_and_unstaged_snapshots_write_the_same_files(tmp_path: Path) -> N
     with staging_for(pool, "s"):
         snap = handler.snapshot(state)
     assert pool.lease("s", 1) is None  # the slab is lent: this snapshot is the staged one
+    assert (snap._copying is not None) == (copy_piece is not None)
     staged = snap.write(tmp_path / "staged")
     assert sorted(r.path for r in plain) == sorted(r.path for r in staged)
     assert {r.path: r.xxh3_128 for r in plain} == {r.path: r.xxh3_128 for r in staged}
@@ -333,3 +343,143 @@ def test_max_staging_bytes_keeps_views_past_the_bound(
             del new
         assert mgr._staging.held_bytes() == 0
     assert caplog.text.count("max_staging_bytes=65536") == 1
+
+
+# ------------------------------------------------ the commit writes while save() is still copying
+
+
+@pytest.fixture
+def small_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging copies of 64 KiB pieces, on the copy pool (as a state of gigabytes is), and packs
+    of 1 MiB, so that a state of a few MiB has several packs and many copies."""
+    from cairn.handlers import _train_state
+
+    monkeypatch.setattr(_train_state, "_COPY_PIECE", 64 * 1024)
+    monkeypatch.setattr(_train_state, "PACK_BYTES", MiB)
+    monkeypatch.setattr(LocalDestination, "pack_bytes", MiB)
+
+
+def _leaves(n: int, value: float) -> dict[str, np.ndarray]:
+    return {f"w{i}": np.full((128, 1024), value + i, np.float32) for i in range(n)}  # 512 KiB
+
+
+@pytest.mark.usefixtures("small_copies")
+def test_the_commit_writes_the_first_pack_while_save_still_copies_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last staging copy is held until the commit thread has written a pack: save() hands
+    the commit over before its copies end, returns only once they have, and the step is whole."""
+    from cairn.handlers import _train_state
+    from cairn.manager import CheckpointManager
+
+    first_pack = threading.Event()
+    overlapped: list[bool] = []
+    write_pack, copy = _train_state.write_pack, _train_state._Copying._copy
+
+    def writing(*args: object, **kwargs: object) -> object:
+        out = write_pack(*args, **kwargs)  # type: ignore[arg-type]
+        first_pack.set()
+        return out
+
+    def copying(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+        if n == len(self._ends) - 1:  # the last copy: into the last pack
+            overlapped.append(first_pack.wait(10))
+        copy(self, n, dst, src)
+
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"state": _leaves(4, 0.0)})  # the first save warms the pool
+        mgr.wait_until_finished()
+        mgr._staging.wait()
+        monkeypatch.setattr(_train_state, "write_pack", writing)
+        monkeypatch.setattr(_train_state._Copying, "_copy", copying)
+        state = _leaves(4, 10.0)
+        mgr.save(2, {"state": state})
+        assert overlapped == [True]  # save() waited for the held copy, the pack went out first
+        for leaf in state.values():
+            leaf[:] = -1  # the caller's arrays are its own again
+        mgr.wait_until_finished()
+        restored = mgr.restore(2)["state"]
+    for i in range(4):
+        np.testing.assert_array_equal(restored[f"w{i}"], np.full((128, 1024), 10.0 + i))
+
+
+@pytest.mark.usefixtures("small_copies")
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_staging_copy_fails_that_save_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A copy into staging memory that raises: the step is not committed (an async save reports
+    it as its commit's error, a sync save raises it), the slab goes back, the next save works."""
+    from cairn.handlers import _train_state
+    from cairn.manager import CheckpointManager, CommitError
+
+    copy = _train_state._Copying._copy
+
+    class Unreadable:
+        def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
+            raise OSError(5, "Input/output error")
+
+    def failing(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+        copy(self, n, dst, Unreadable() if n == 3 else src)  # type: ignore[arg-type]
+
+    with CheckpointManager(tmp_path / "run", async_save=async_save) as mgr:
+        mgr.save(1, {"state": _leaves(4, 0.0)})
+        mgr.wait_until_finished()
+        mgr._staging.wait()
+        monkeypatch.setattr(_train_state._Copying, "_copy", failing)
+        if async_save:
+            assert mgr.save(2, {"state": _leaves(4, 1.0)})
+            with pytest.raises(CommitError, match="staging memory") as caught:
+                mgr.wait_until_finished()
+        else:
+            with pytest.raises(RuntimeError, match="staging memory") as caught:
+                mgr.save(2, {"state": _leaves(4, 1.0)})
+        assert "Input/output error" in repr(caught.value.__cause__ or caught.value)
+        assert mgr.all_steps() == [1]
+        monkeypatch.undo()
+        monkeypatch.setattr(_train_state, "_COPY_PIECE", 64 * 1024)
+        mgr.save(3, {"state": _leaves(4, 3.0)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]
+        np.testing.assert_array_equal(mgr.restore(3)["state"]["w3"], np.full((128, 1024), 6.0))
+    left = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert left == [".cairn.lock", "checkpoint_1", "checkpoint_3"]  # no temporary directory
+
+
+@pytest.mark.usefixtures("small_copies")
+def test_release_gives_the_slab_back_only_after_the_copies_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot released while its copies run (a commit that failed before writing) keeps the
+    slab from its pool until the last copy is done: another save must not stage into it."""
+    from cairn.handlers import _train_state
+
+    held = threading.Event()
+    copy, wait = _train_state._Copying._copy, _train_state._Copying.wait
+
+    def copying(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+        if n == len(self._ends) - 1:
+            held.wait(30)
+        copy(self, n, dst, src)
+
+    def waiting(self: _train_state._Copying, *args: object, **kwargs: object) -> None:
+        held.set()  # release() waits now: let the last copy go
+        wait(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    pool = StagingPool()
+    handler = TrainStateHandler()
+    with staging_for(pool, "state"):  # NumPy leaves: staged at once, into a new slab
+        first = handler.snapshot(_leaves(4, 0.0))
+    first.release()
+    copies_left: list[int] = []
+    give_back = pool._give_back
+    monkeypatch.setattr(
+        pool, "_give_back", lambda *a: (copies_left.append(snap._copying._left), give_back(*a))
+    )
+    monkeypatch.setattr(_train_state._Copying, "_copy", copying)
+    monkeypatch.setattr(_train_state._Copying, "wait", waiting)
+    with staging_for(pool, "state"):
+        snap = handler.snapshot(_leaves(4, 1.0))
+    assert snap._copying is not None and snap._lease is not None
+    snap.release()
+    assert copies_left == [0]
