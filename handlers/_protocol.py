@@ -15,6 +15,12 @@ class Snapshot(Protocol):
 
     A snapshot owns its data: nothing the caller does to the original object after `save()` returns
     (mutating, overwriting, donating arrays) may change what `write` stores.
+
+    Optionally, ``settle()``: a snapshot whose copies of the caller's data still run when
+    `snapshot` returns (the train state's staging copies) waits for them there. The manager hands
+    the snapshot to the commit thread first and calls `settle` before ``save()`` returns, so
+    `write` may start meanwhile and must itself wait for what it reads. Without `settle`, the
+    snapshot is complete when `snapshot` returns.
     """
 
     def write(self, dest: Destination) -> Sequence[FileRecord]:

@@ -616,8 +616,13 @@ class _Copying:
         self._lease: Lease | None = lease
         self._cond = threading.Condition()
         pool = _shared_pool("cairn-copy", 2)
-        for n, (dst, src, _) in enumerate(copies):
-            pool.submit(self._copy, n, dst, src)
+        started: list[concurrent.futures.Future[None]] = []
+        try:
+            for n, (dst, src, _) in enumerate(copies):
+                started.append(pool.submit(self._copy, n, dst, src))
+        except BaseException:  # e.g. at interpreter shutdown: the lease is free once they end
+            concurrent.futures.wait(started)
+            raise
 
     def _copy(self, n: int, dst: np.ndarray, src: np.ndarray) -> None:
         error = None
