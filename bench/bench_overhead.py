@@ -79,6 +79,7 @@ DEFAULT_PNG = REPO / "docs" / "benchmarks_overhead.png"
 WRITER_PNG = REPO / "docs" / "benchmarks_writer.png"  # --label process, with cairn-process
 PACKED_PNG = REPO / "docs" / "benchmarks_packed.png"  # --label packed, with cairn-packed
 BACKGROUND_PNG = REPO / "docs" / "benchmarks_background.png"  # --label background: nice 19
+OVERLAP_PNG = REPO / "docs" / "benchmarks_overlap.png"  # --label overlap, against the two before
 SYSTEMS = (
     "cairn",
     "cairn-views",
@@ -696,6 +697,14 @@ def main(argv: list[str] | None = None) -> int:
         if (RESULTS / "overhead-background.json").exists():  # hashing after writes, nice 19
             plot.plot_overhead(RESULTS / "overhead-background.json", Path("-"), BACKGROUND_PNG)
             print(f"wrote {BACKGROUND_PNG}")
+        if (RESULTS / "overhead-overlap.json").exists():  # writes while save() copies
+            runs = [
+                ("before, run 1 (background)", RESULTS / "overhead-background.json"),
+                ("before, run 2 (background-2)", RESULTS / "overhead-background-2.json"),
+                ("writing while save() copies (overlap)", RESULTS / "overhead-overlap.json"),
+            ]
+            plot.plot_commit_ratio(runs, OVERLAP_PNG)
+            print(f"wrote {OVERLAP_PNG}")
         return 0
     if args.quick:
         args.sizes, args.repeats, args.reps, args.baseline_s = "16M", 2, 2, 0.5

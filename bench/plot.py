@@ -460,3 +460,86 @@ def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
+
+
+def plot_commit_ratio(runs: list[tuple[str, Path]], png_path: Path) -> None:
+    """docs/benchmarks_overlap.png: commit throughput ÷ one O_DIRECT file of the same bytes
+    (paired within each round: median and min-max), counted from the start of save() and from
+    its return, per size, for each bench_overhead run in `runs` (label, JSON), with the goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loaded = [(label, json.loads(path.read_text())) for label, path in runs if path.exists()]
+    sizes = list(loaded[-1][1]["sizes"])
+    panels = (
+        ("commit_vs_odirect", "from the start of save()"),
+        ("after_save_vs_odirect", "from save()'s return"),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    width = 0.8 / len(loaded)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for i, (label, result) in enumerate(loaded):
+            for j, size in enumerate(sizes):
+                ratio = _commit_ratio(result["sizes"].get(size, {}), key)
+                if ratio is None:
+                    continue
+                x = j + (i - (len(loaded) - 1) / 2) * width
+                ax.bar(
+                    x,
+                    ratio["median"],
+                    width * 0.9,
+                    color=f"C{i}",
+                    edgecolor="#333333",
+                    linewidth=0.5,
+                    label=label if (key, j) == (panels[0][0], 0) else None,
+                )
+                ax.errorbar(
+                    x,
+                    ratio["median"],
+                    yerr=[[ratio["median"] - ratio["min"]], [ratio["max"] - ratio["median"]]],
+                    fmt="none",
+                    color="black",
+                    capsize=3,
+                )
+                ax.annotate(
+                    f"{ratio['median']:.2f}x",
+                    (x, ratio["max"]),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                )
+        ax.axhline(0.95, color="#b22222", linestyle="--", linewidth=1, label=None)
+        ax.text(0.5, 0.96, "goal 0.95x", color="#b22222", fontsize=8, ha="center")
+        ax.set_xticks(range(len(sizes)), [f"{s} state" for s in sizes])
+        ax.set_title(f"commit throughput ÷ one O_DIRECT file, {title}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("ratio (higher is faster)")
+    fig.legend(loc="lower center", ncol=len(loaded), fontsize=8, frameon=False)
+    fig.suptitle("Writing while save() copies (bench/bench_overhead.py, cairn, no training)")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def _commit_ratio(entry: dict[str, Any], key: str) -> dict[str, float] | None:
+    """A paired ratio of bench_overhead's entry for one size; runs from before it reported
+    ``after_save_vs_odirect`` get it from their rounds (save start -> committed, less save()
+    blocked, in the same round as the O_DIRECT file)."""
+    ratio = entry.get("paired", {}).get(f"cairn.{key}")
+    rounds = entry.get("rounds", {})
+    if ratio is not None or key != "after_save_vs_odirect" or "cairn.commit" not in rounds:
+        return ratio
+    samples = [
+        odirect / (commit - blocked)
+        for odirect, commit, blocked in zip(
+            rounds["limit.odirect"]["samples"],
+            rounds["cairn.commit"]["samples"],
+            rounds["cairn.blocked"]["samples"],
+            strict=True,
+        )
+    ]
+    samples.sort()
+    return {"median": samples[len(samples) // 2], "min": samples[0], "max": samples[-1]}
