@@ -483,3 +483,48 @@ def test_release_gives_the_slab_back_only_after_the_copies_end(
     assert snap._copying is not None and snap._lease is not None
     snap.release()
     assert copies_left == [0]
+
+
+@pytest.mark.usefixtures("small_copies")
+@pytest.mark.parametrize("options", ["packed", "zarr", "incremental", "max_pending=2"])
+def test_arrays_changed_after_save_returns_are_not_in_the_step(
+    tmp_path: Path, options: str
+) -> None:
+    """NumPy leaves changed in place, and jax leaves donated, right after each save() returns,
+    while the commit may still be writing: every step restores what was given at its save."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn.manager import CheckpointManager, KeepLatest
+
+    kwargs: dict[str, object] = {
+        "packed": {},
+        "zarr": {"handlers": {"state": TrainStateHandler(layout="zarr")}},
+        "incremental": {"incremental": True},
+        "max_pending=2": {"max_pending": 2},
+    }[options]
+    rng = np.random.default_rng(7)
+    shapes = [(int(rng.integers(1, 300)), int(rng.integers(1, 2000))) for _ in range(6)]
+    host = {f"n{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+    device = {
+        f"j{i}": jnp.asarray(rng.standard_normal(s), jnp.float32) for i, s in enumerate(shapes)
+    }
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 1.5 + 1, s), donate_argnums=0)
+    expected = {}
+    with CheckpointManager(tmp_path / "run", keep=KeepLatest(10), **kwargs) as mgr:  # type: ignore[arg-type]
+        for step in range(6):
+            if not (options == "incremental" and step % 3 == 2):  # else: the same jax arrays
+                device = step_fn(device)
+            expected[step] = {k: np.array(v) for k, v in {**host, **device}.items()}
+            mgr.save(step, {"state": {**host, **device}})
+            for leaf in host.values():
+                leaf += 1.0
+            if step == 0:  # the first save of a state warms the pool: the others stage
+                mgr.wait_until_finished()
+                mgr._staging.wait()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == list(range(6))
+        for step, want in expected.items():
+            got = mgr.restore(step)["state"]
+            for key, value in want.items():
+                np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=f"{step} {key}")
