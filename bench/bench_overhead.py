@@ -701,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = [
                 ("before, run 1 (background)", RESULTS / "overhead-background.json"),
                 ("before, run 2 (background-2)", RESULTS / "overhead-background-2.json"),
-                ("writing while save() copies (overlap)", RESULTS / "overhead-overlap.json"),
+                ("writing while save() copies, run 1 (overlap)", RESULTS / "overhead-overlap.json"),
+                ("run 2 (overlap-2)", RESULTS / "overhead-overlap-2.json"),
             ]
             plot.plot_commit_ratio(runs, OVERLAP_PNG)
             print(f"wrote {OVERLAP_PNG}")
