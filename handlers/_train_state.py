@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import sys
 import threading
 import weakref
@@ -703,7 +704,7 @@ def _choose_chunk(
     if not region_shape:
         return ()
     rows = region_shape[0]
-    row_bytes = max(1, itemsize * int(np.prod(region_shape[1:], dtype=np.int64)))
+    row_bytes = max(1, itemsize * math.prod(region_shape[1:]))
     if rows <= 1 or rows * row_bytes <= chunk_bytes:
         return tuple(max(1, n) for n in region_shape)
     cap = max(1, chunk_bytes // row_bytes)
@@ -1260,7 +1261,7 @@ class _LeafReader:
 
 
 def _size(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=object)) if shape else 1
+    return math.prod(int(n) for n in shape)
 
 
 def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -1269,7 +1270,7 @@ def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialised array whose data starts on an `align`-byte boundary (JAX adopts it as is)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + align, np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
