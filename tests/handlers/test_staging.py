@@ -436,6 +436,7 @@ def test_a_failed_staging_copy_fails_that_save_and_nothing_else(
                 mgr.save(2, {"state": _leaves(4, 1.0)})
         assert "Input/output error" in repr(caught.value.__cause__ or caught.value)
         assert mgr.all_steps() == [1]
+        assert mgr._staging._in_use == 0  # the failed save's slab is back in the pool
         monkeypatch.undo()
         monkeypatch.setattr(_train_state, "_COPY_PIECE", 64 * 1024)
         mgr.save(3, {"state": _leaves(4, 3.0)})
