@@ -867,8 +867,10 @@ class TrainStateHandler:
     - Inside a manager's ``save()`` whose staging pool has room (every save of a state but the
       first, unless ``zero_copy=True``): every leaf, ``jax.Array`` shards (those with
       ``replica_id == 0``) and NumPy arrays alike, is copied chunk by chunk into the pool's
-      page-aligned memory, cast to its stored dtype, on two threads. The snapshot then holds no
-      reference to the arrays: the next train step donates them as usual.
+      page-aligned memory, cast to its stored dtype, on two threads, which may still run when
+      `snapshot` returns: the manager's ``save()`` hands the commit over, then waits for them
+      (`_StateSnapshot.settle`). The snapshot then holds no reference to the arrays: the next
+      train step donates them as usual.
     - Otherwise, ``jax.Array`` leaves are *not* copied on CPU: the snapshot keeps zero-copy host
       views of the addressable shards with ``replica_id == 0``. While such a view exists, JAX
       will not donate the buffer (a donating train step gets fresh buffers instead, silently,
