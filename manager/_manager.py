@@ -473,7 +473,6 @@ class CheckpointManager:
             except BaseException:
                 self._abandon(snapshots)
                 raise
-            job.blocked_s = time.monotonic() - entered
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
                 self._abandon(snapshots)
