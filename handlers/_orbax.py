@@ -6,6 +6,12 @@ metrics, and restores its items through these handlers, which call the real orba
 package (imported only then). Orbax steps are read-only: cairn never writes, drops or deletes
 them. Orbax keeps no checksums, so there is nothing for cairn to verify in them.
 
+orbax-checkpoint runs each of its coroutines on a fresh event loop and closes the loop as soon as
+the coroutine ends, also when it ends on the first failed read of a damaged step while its other
+TensorStore reads still run; each of those then completes into a closed loop and Python prints
+``RuntimeError: Event loop is closed`` ("Exception ignored"), once per read. While these handlers
+call orbax, `_orbax_finishes_its_reads` has it wait for those reads (at most `_FINISH_S`) first.
+
 An Orbax step is a directory cairn did not write, so everything in it is untrusted: cairn's own
 reads never follow a link (`orbax_items`, `read_metadata`), and before an item is handed to
 orbax or TensorFlow, which would follow links and block on a FIFO, `check_tree` refuses any
@@ -14,8 +20,12 @@ entry of the item's tree that is not a directory or a regular file.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import stat
+import threading
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +137,61 @@ class _ReadOnly:
         return f"{type(self).__name__}()"
 
 
+_FINISH_S = 30.0
+_patch_lock = threading.Lock()
+_patch_users = 0  # callers inside _orbax_finishes_its_reads
+_patched_out: Any = None  # orbax's own function while swapped
+
+
+def _run_sync_finishing(coro: Coroutine[Any, Any, Any]) -> Any:
+    """orbax's ``_run_sync_via_new_loop`` (its `run_sync` outside a running loop), but the loop
+    is closed only once the tasks the coroutine left running are done (or `_FINISH_S` passed)."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            if left:
+                done, _ = loop.run_until_complete(asyncio.wait(left, timeout=_FINISH_S))
+                for task in done:  # retrieved: no "exception was never retrieved" log
+                    if not task.cancelled():
+                        task.exception()
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+@contextlib.contextmanager
+def _orbax_finishes_its_reads() -> Iterator[None]:
+    """While inside, orbax-checkpoint's `run_sync` waits for the reads a failed coroutine left
+    running (see the module docstring). Nests and overlaps across threads; the first to enter
+    swaps orbax's function, the last to leave puts it back. With an orbax that has no such
+    function, it changes nothing."""
+    global _patch_users, _patched_out
+    try:
+        from orbax.checkpoint._src import asyncio_utils as target
+    except ImportError:
+        target = None
+    name = "_run_sync_via_new_loop"
+    if target is None or not callable(getattr(target, name, None)):
+        yield
+        return
+    with _patch_lock:
+        if _patch_users == 0:
+            _patched_out = getattr(target, name)
+            setattr(target, name, _run_sync_finishing)
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                setattr(target, name, _patched_out)
+
+
 def _where(stored: StoredItem) -> str:
     return f"step {stored.step}, item {stored.name!r} (Orbax, {stored.directory})"
 
@@ -147,22 +212,10 @@ class OrbaxPyTreeHandler(_ReadOnly):
         check_tree(stored.directory, where)
         checkpointer = ocp.PyTreeCheckpointer()
         try:
-            if target is None:  # NumPy arrays: no saved sharding needed, any topology
-                jax = optional("jax", feature="reading a step orbax-checkpoint wrote")
-                import numpy as np
-
-                meta = checkpointer.metadata(stored.directory).item_metadata
-                as_numpy = jax.tree.map(
-                    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta.tree
-                )
-                return checkpointer.restore(
-                    stored.directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
-                )
-            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-            return checkpointer.restore(
-                stored.directory,
-                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
-            )
+            with _orbax_finishes_its_reads():
+                return self._restore(ocp, checkpointer, stored, target)
+        except CorruptCheckpointError:
+            raise
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"{where}: {e}") from e
         except (ValueError, TypeError, OSError) as e:  # e.g. an ArraySave item, another target
@@ -174,6 +227,29 @@ class OrbaxPyTreeHandler(_ReadOnly):
             raise CorruptCheckpointError(
                 f"{where}: orbax could not read it: {type(e).__name__}: {e!s:.300}"
             ) from e
+
+    @staticmethod
+    def _restore(ocp: Any, checkpointer: Any, stored: StoredItem, target: Any) -> Any:
+        if target is not None:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+            return checkpointer.restore(
+                stored.directory,
+                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+            )
+        # NumPy arrays: no saved sharding needed, any topology
+        jax = optional("jax", feature="reading a step orbax-checkpoint wrote")
+        import numpy as np
+
+        meta = checkpointer.metadata(stored.directory).item_metadata
+        if meta is None:  # orbax logs why and returns None
+            raise CorruptCheckpointError(
+                f"{_where(stored)}: orbax could not read its metadata (its _METADATA file or "
+                "the metadata of one of its arrays)"
+            )
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta.tree)
+        return checkpointer.restore(
+            stored.directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
+        )
 
 
 class OrbaxJsonHandler(_ReadOnly):

@@ -224,3 +224,32 @@ def test_cairn_export_command(tmp_path: Path) -> None:
         text=True,
     )
     assert again.returncode == 2 and "already has Orbax step 3" in again.stderr
+
+
+@pytest.mark.parametrize("target", [False, True], ids=["numpy", "target"])
+def test_a_damaged_orbax_step_fails_without_reads_left_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: bool
+) -> None:
+    """orbax-checkpoint closes its event loop on the first failed read while its other reads
+    still run; each then completes into the closed loop ("Exception ignored: Event loop is
+    closed", about 15 per restore of this step before the fix). cairn has orbax wait for them."""
+    from orbax.checkpoint._src import asyncio_utils
+
+    leaves = {f"p{i:02d}": np.arange(1000.0) + i for i in range(20)}
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False)}
+    with ocp.CheckpointManager(tmp_path, options=options, item_handlers=handlers) as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(leaves)))
+    (tmp_path / "1" / "state" / "p00" / ".zarray").write_text("")
+    unraisable: list[str] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: unraisable.append(str(u.exc_value)))
+    orbax_own = asyncio_utils._run_sync_via_new_loop
+    want = leaves if target else None
+    message = "orbax could not" if target else "orbax could not read its metadata"
+    with CheckpointManager(tmp_path, step_prefix="") as mgr:
+        for _ in range(5):
+            with pytest.raises(ValueError, match=message) as caught:
+                mgr.restore(1, {"state": want})
+            assert "'state'" in str(caught.value)
+    assert unraisable == []
+    assert asyncio_utils._run_sync_via_new_loop is orbax_own  # put back after each restore
