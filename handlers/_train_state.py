@@ -876,10 +876,12 @@ class TrainStateHandler:
       will not donate the buffer (a donating train step gets fresh buffers instead, silently,
       using more memory until the commit ends), so the checkpoint holds the values at save time.
       As a second line, the write phase fails the commit if a source array was deleted or
-      donated meanwhile. On GPU/TPU, ``np.asarray`` is the device-to-host copy itself (and is
-      kept as it is, not staged). ``np.ndarray`` leaves (and other array-likes) are copied, since
-      the caller may change them in place; NumPy and Python scalars and the structure are
-      captured as values.
+      donated meanwhile.
+    - On GPU/TPU the snapshot is each shard's device-to-host copy (`_start_transfer`: into
+      pinned host memory on GPU), all started before the first is waited for, and kept as it
+      is, not staged.
+    - ``np.ndarray`` leaves (and other array-likes) are copied, since the caller may change
+      them in place; NumPy and Python scalars and the structure are captured as values.
 
     Write phase (commit thread): packs (or chunk files) are written by `threads` threads at low
     CPU and I/O priority. Staged chunks are hashed a megabyte at a time as they go out and written
@@ -941,17 +943,26 @@ class TrainStateHandler:
         jax = sys.modules.get("jax")
         jax_array = jax.Array if jax is not None else ()
 
+        transfers: list[tuple[list[Any], int, Any, Any]] = []  # pieces, at, coming, shard data
+
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
             index = len(leaves)
             if isinstance(x, jax_array):
                 shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
-                pieces, zero_copy = [], False
+                pieces: list[tuple[tuple[slice, ...], np.ndarray]] = []
+                zero_copy = False
                 for shard in x.addressable_shards:
                     if shard.replica_id != 0:
                         continue
+                    region = _full_index(shard.index, shape)
+                    coming = _start_transfer(shard.data)
+                    if coming is not None:  # on an accelerator: copied to the host below
+                        transfers.append((pieces, len(pieces), coming, shard.data))
+                        pieces.append((region, _COMING))
+                        continue
                     view = np.asarray(shard.data)
                     zero_copy |= _shares_buffer(view, shard.data)
-                    pieces.append((_full_index(shard.index, shape), view))
+                    pieces.append((region, view))
                 region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
                 sources = [x] if zero_copy else []  # only views need the donation check
                 shared = bool(x.is_fully_addressable)  # not a global array: every process has it
@@ -998,6 +1009,11 @@ class TrainStateHandler:
             return node
 
         tree = encode(obj, leaf, pytrees=True)
+        for pieces, at, coming, data in transfers:  # every transfer started: wait for each
+            host = np.asarray(coming)
+            if _shares_buffer(host, data):  # the state's own buffer: never keep it as ours
+                host = host.copy()
+            pieces[at] = (pieces[at][0], host)
         staging = current_staging()
         lease = None
         if staging is not None and staging[0].remembers:  # incremental: unchanged arrays
@@ -1101,6 +1117,34 @@ def _private(data: np.ndarray, leaf: _Leaf) -> np.ndarray:
     if data.dtype.byteorder == ">":
         return data.astype(data.dtype.newbyteorder("<"))
     return data if leaf.owned or leaf.sources else np.array(data, copy=True)
+
+
+_COMING = np.empty(0)  # a piece whose device-to-host copy is still running
+_PINNED_PLATFORMS = ("gpu",)  # pinned host memory as the target; TPU's is scarce (Orbax's rule)
+_HOST_PLATFORMS = ("cpu",)  # whose buffers NumPy views in place
+
+
+def _start_transfer(data: Any) -> Any:
+    """For a single-device array on an accelerator, start its device-to-host copy and return
+    what `np.asarray` then waits for: a copy in pinned host memory where the platform is one of
+    `_PINNED_PLATFORMS` and its device has that memory kind (``jax.device_put`` to it, queued
+    after the computations that write `data`, before any that donates it), else `data` itself
+    after ``copy_to_host_async``. None for a host (CPU) array: it is viewed in place.
+
+    Started for every shard of the state before the first is waited for, the copies overlap
+    instead of running one after the other as ``np.asarray`` alone would have them."""
+    device = getattr(data, "device", None)
+    if device is None or device.platform in _HOST_PLATFORMS or data.is_deleted():
+        return None
+    platform = device.platform
+    if platform in _PINNED_PLATFORMS:
+        with contextlib.suppress(Exception):  # no such memory kind here: the plain copy
+            if any(m.kind == "pinned_host" for m in device.addressable_memories()):
+                jax = optional("jax", feature="a JAX train state")
+                sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+                return jax.device_put(data, sharding)
+    data.copy_to_host_async()
+    return data
 
 
 def _shares_buffer(view: np.ndarray, device_array: Any) -> bool:

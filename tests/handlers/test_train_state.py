@@ -363,6 +363,64 @@ def test_copied_shards_need_no_donation_check(tmp_path: Path, gate: Gate) -> Non
     np.testing.assert_array_equal(np.asarray(got), before)
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned_host", "copy_to_host_async"])
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "pool"])
+def test_accelerator_arrays_reach_the_host_as_copies_started_together(
+    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch, pinned: bool, zero_copy: bool
+) -> None:
+    """The GPU/TPU path, on the CPU backend made to pass for an accelerator: every shard's
+    device-to-host copy starts (into pinned host memory, or by copy_to_host_async) before the
+    first is waited for; the snapshot holds those copies, never the state's buffers, so the
+    next step donates even with zero_copy=True, and the checkpoint holds the values at save."""
+    import cairn.handlers._train_state as impl
+
+    monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
+    monkeypatch.setattr(impl, "_PINNED_PLATFORMS", ("cpu",) if pinned else ())
+    events: list[str] = []
+    start = impl._start_transfer
+
+    class Coming:  # what np.asarray waits for, logged
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            events.append("wait")
+            return np.asarray(self.real)
+
+    def logged(data: Any) -> Any:
+        coming = start(data)
+        events.append("start")
+        if pinned:
+            assert coming.sharding.memory_kind == "pinned_host"
+            return Coming(coming)
+        return coming  # the state's own array: the snapshot must copy its view
+
+    monkeypatch.setattr(impl, "_start_transfer", logged)
+    train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    handlers = {"gate": InMemoryHandler(on_write=gate)}
+    with CheckpointManager(tmp_path, handlers=handlers, zero_copy=zero_copy) as mgr:
+        for step in (1, 2):  # the second save has the pool (unless zero_copy)
+            state = jax_state(step)
+            before = host_copy(state)
+            events.clear()
+            mgr.save(step, {"gate": 0, "state": state})
+            n = len(jax.tree_util.tree_leaves(state))
+            assert events[:n] == ["start"] * n
+            if pinned:
+                assert events[n:] == ["wait"] * n
+            assert gate.entered.wait(30)  # the commit is held: the save is in flight
+            gate.entered.clear()
+            new_state = train_step(state)
+            assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state)), (
+                "JAX declined to donate: the snapshot views the state's buffers"
+            )
+            gate.release.set()
+            mgr.wait_until_finished()
+            gate.release.clear()
+            assert_close_trees(mgr.restore(step, {"state": None})["state"], before)
+            del new_state
+
+
 def test_odd_dtypes_and_shapes(tmp_path: Path) -> None:
     """Big-endian data is stored little-endian; empty arrays write no chunk; strings are refused."""
     handler = TrainStateHandler(chunk_bytes=4 * 1024, layout="zarr")
