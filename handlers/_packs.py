@@ -21,7 +21,9 @@ pool on disk), and an incremental save links whole packs of the previous step.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import json
 import re
 import uuid
@@ -38,6 +40,7 @@ from cairn.handlers.errors import CorruptCheckpointError
 PACKS = "packs/"
 PACK_BYTES = 64 << 20  # the largest pack on disk (`Destination.pack_bytes`; 16 MiB in a bucket)
 _MiB = 1 << 20
+_HASH_BLOCK = 16 * _MiB  # see write_pack
 _INDEX = re.compile(r"packs/index\.(0|[1-9][0-9]{0,8})\.json")
 _HEX = re.compile(r"[0-9a-f]{32}")
 
@@ -143,27 +146,39 @@ def write_pack(
     dest: Destination, name: str, pack: _Pack, digests: Mapping[str, str] | None = None
 ) -> tuple[FileRecord, dict[str, Packed]]:
     """Write `pack` as one file, and hash each chunk (unless `digests` has it) and the whole
-    pack in one pass (a megabyte at a time, while it is in the cache): after the write, unless
-    the destination needs the hash first (see `Destination.write_file`)."""
+    pack in one pass: after the write, unless the destination needs the hash first (see
+    `Destination.write_file`).
+
+    The pass goes a window of `_HASH_BLOCK` bytes at a time: the chunks' parts in the window,
+    then the window whole for the pack's hash, while it is still in the cache. Each hash call
+    on more than about 100 KB lets go of the GIL, and getting it back costs up to the switch
+    interval (5 ms) while the training loop runs Python; so the calls are few and large: one
+    per chunk and window it touches and one per window (not one per megabyte, nor one per chunk
+    for the pack's hash)."""
     known = digests or {}
     found: list[tuple[str, int, int, str]] = []
 
     def hash_pass() -> str:
         whole = xxhash.xxh3_128()
         flat = _Flat(pack.pieces)
-        pos = 0
-        for vpath, at, nbytes in pack.chunks:
-            for block in flat.blocks(pos, at):
-                whole.update(block)  # padding
-            digest = None if vpath in known else xxhash.xxh3_128()
-            for block in flat.blocks(at, at + nbytes):
-                if digest is not None:
-                    digest.update(block)
+        running = {v: xxhash.xxh3_128() for v, _, _ in pack.chunks if v not in known}
+        chunks = pack.chunks  # in pack order, apart
+        first = 0  # the first chunk that ends after this window's start
+        for lo in range(0, pack.size, _HASH_BLOCK):
+            hi = min(pack.size, lo + _HASH_BLOCK)
+            for vpath, at, nbytes in itertools.islice(chunks, first, None):
+                if at >= hi:
+                    break
+                if vpath in running:
+                    for block in flat.blocks(max(at, lo), min(at + nbytes, hi)):
+                        running[vpath].update(block)
+                if at + nbytes <= hi:
+                    first += 1
+            for block in flat.blocks(lo, hi):
                 whole.update(block)
-            found.append(
-                (vpath, at, nbytes, known[vpath] if digest is None else digest.hexdigest())
-            )
-            pos = at + nbytes
+        for vpath, at, nbytes in chunks:
+            digest = known[vpath] if vpath in known else running[vpath].hexdigest()
+            found.append((vpath, at, nbytes, digest))
         return whole.hexdigest()
 
     record = dest.write_file(name, pack.pieces, xxh3_128=hash_pass)
@@ -171,20 +186,20 @@ def write_pack(
 
 
 class _Flat:
-    """Byte ranges of a list of pieces, as views of at most a megabyte."""
+    """Byte ranges of a list of pieces, as views of at most `_HASH_BLOCK` bytes."""
 
     def __init__(self, pieces: Sequence[memoryview]) -> None:
         self.pieces = pieces
-        self.starts = np.cumsum([0, *(p.nbytes for p in pieces)])
+        self.starts = list(itertools.accumulate((p.nbytes for p in pieces), initial=0))
 
     def blocks(self, lo: int, hi: int) -> list[memoryview]:
         out = []
-        i = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        i = bisect.bisect_right(self.starts, lo) - 1  # not NumPy's: it lets go of the GIL
         while lo < hi and i < len(self.pieces):
-            piece, base = self.pieces[i], int(self.starts[i])
+            piece, base = self.pieces[i], self.starts[i]
             end = min(hi, base + piece.nbytes)
-            for b in range(lo, end, _MiB):
-                out.append(piece[b - base : min(end, b + _MiB) - base])
+            for b in range(lo, end, _HASH_BLOCK):
+                out.append(piece[b - base : min(end, b + _HASH_BLOCK) - base])
             lo = end
             i += 1
         return out

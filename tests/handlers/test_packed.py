@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from treeutil import assert_tree_equal
 
 from cairn.handlers import TrainStateHandler, TrainStateRestore
+from cairn.handlers import _packs as packs_impl
+from cairn.handlers._files import LocalDestination
 from cairn.handlers._packs import PACK_BYTES, group, group_staged
 from cairn.handlers._staging import PAGE
 from cairn.handlers._train_state import _stage_layout, _Tickets
@@ -474,3 +479,48 @@ def test_a_cairn_that_reads_only_the_zarr_layout_refuses_a_packed_item(tmp_path:
         with pytest.raises(UnsupportedFormatError, match="version 2; this cairn has version 1"):
             m.restore(1)
         assert_tree_equal(host(m.restore(2)["state"]), host(sample(2)))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 70)), min_size=1, max_size=12),
+    window=st.sampled_from([1, 7, 64, 4096]),
+    staged=st.booleans(),
+    known=st.sets(st.integers(0, 11)),
+)
+def test_the_hash_pass_gives_each_chunk_and_the_pack_their_own_hashes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: list[tuple[int, int]],
+    window: int,
+    staged: bool,
+    known: set[int],
+) -> None:
+    """Chunks of any sizes (empty ones too), with gaps between them (staged) or tight, hashed a
+    window at a time (windows smaller than, equal to and larger than the chunks): each chunk's
+    hash is the XXH3 of its bytes (or the one given for it), the pack's that of the file."""
+    monkeypatch.setattr(packs_impl, "_HASH_BLOCK", window)
+    rng = np.random.default_rng(len(sizes) * 31 + window)
+    pack = packs_impl._Pack()
+    if staged:
+        slab = rng.integers(0, 256, sum(n + gap for n, gap in sizes) + 1, dtype=np.uint8)
+        chunks, at = [], 0
+        for i, (n, gap) in enumerate(sizes):
+            chunks.append((f"c/{i}", at, n))
+            at += n + min(gap, 64)
+        pack = packs_impl.staged_pack(slab, chunks)
+    else:
+        for i, (n, _) in enumerate(sizes):
+            pack.add(f"c/{i}", memoryview(rng.integers(0, 256, n, dtype=np.uint8)))
+    data = b"".join(bytes(p) for p in pack.pieces)
+    given = {f"c/{i}": "0" * 32 for i in known if i < len(sizes)}
+    dest = LocalDestination(tmp_path / f"item-{uuid.uuid4().hex}")
+    record, placed = packs_impl.write_pack(dest, "packs/p", pack, given)
+    assert record.xxh3_128 == xxhash.xxh3_128_hexdigest(data)
+    assert (dest.directory / "packs/p").read_bytes() == data
+    assert sorted(placed) == sorted(v for v, _, _ in pack.chunks)
+    for vpath, at, n in pack.chunks:
+        want = given.get(vpath) or xxhash.xxh3_128_hexdigest(data[at : at + n])
+        assert placed[vpath].xxh3_128 == want, vpath
