@@ -884,10 +884,10 @@ class TrainStateHandler:
       them in place; NumPy and Python scalars and the structure are captured as values.
 
     Write phase (commit thread): packs (or chunk files) are written by `threads` threads at low
-    CPU and I/O priority. Staged chunks are hashed a megabyte at a time as they go out and written
-    with O_DIRECT where the filesystem allows (a pack: spans of the pool's memory); views are
-    written from the arrays' memory, no copy unless `save_dtype` casts a leaf, within
-    `max_inflight_bytes` (a pack's casts at once).
+    CPU and I/O priority. Staged chunks are hashed as they go out (16 MiB at a time in a pack, a
+    megabyte in a zarr chunk file) and written with O_DIRECT where the filesystem allows (a
+    pack: spans of the pool's memory); views are written from the arrays' memory, no copy
+    unless `save_dtype` casts a leaf, within `max_inflight_bytes` (a pack's casts at once).
 
     Options: `save_dtype` casts the floating leaves selected by `save_dtype_where` (a key-path
     predicate; default all floating leaves; T5X casts only ``params``) when writing; `chunk_bytes`
