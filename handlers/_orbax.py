@@ -152,7 +152,10 @@ def _run_sync_finishing(coro: Coroutine[Any, Any, Any]) -> Any:
         return loop.run_until_complete(coro)
     finally:
         try:
-            left = asyncio.all_tasks(loop)
+            try:
+                left = asyncio.all_tasks(loop)
+            except RuntimeError:  # other threads' tasks kept changing asyncio's set: as orbax
+                left = set()
             if left:
                 done, _ = loop.run_until_complete(asyncio.wait(left, timeout=_FINISH_S))
                 for task in done:  # retrieved: no "exception was never retrieved" log
