@@ -41,6 +41,8 @@ PACKS = "packs/"
 PACK_BYTES = 64 << 20  # the largest pack on disk (`Destination.pack_bytes`; 16 MiB in a bucket)
 _MiB = 1 << 20
 _HASH_BLOCK = 16 * _MiB  # see write_pack
+_HOLD_GIL_UP_TO = _MiB  # a chunk this small is hashed without letting go of the GIL (_update)
+_GIL_SLICE = 64 << 10
 _INDEX = re.compile(r"packs/index\.(0|[1-9][0-9]{0,8})\.json")
 _HEX = re.compile(r"[0-9a-f]{32}")
 
@@ -154,7 +156,8 @@ def write_pack(
     on more than about 100 KB lets go of the GIL, and getting it back costs up to the switch
     interval (5 ms) while the training loop runs Python; so the calls are few and large: one
     per chunk and window it touches and one per window (not one per megabyte, nor one per chunk
-    for the pack's hash)."""
+    for the pack's hash), and a chunk of at most a megabyte is hashed in slices that keep the
+    GIL (`_update`)."""
     known = digests or {}
     found: list[tuple[str, int, int, str]] = []
 
@@ -171,7 +174,7 @@ def write_pack(
                     break
                 if vpath in running:
                     for block in flat.blocks(max(at, lo), min(at + nbytes, hi)):
-                        running[vpath].update(block)
+                        _update(running[vpath], block, hold=nbytes <= _HOLD_GIL_UP_TO)
                 if at + nbytes <= hi:
                     first += 1
             for block in flat.blocks(lo, hi):
@@ -183,6 +186,17 @@ def write_pack(
 
     record = dest.write_file(name, pack.pieces, xxh3_128=hash_pass)
     return record, {vpath: Packed(record, at, n, hexdigest) for vpath, at, n, hexdigest in found}
+
+
+def _update(digest: Any, block: memoryview, *, hold: bool) -> None:
+    """`digest.update(block)`; with `hold`, in slices small enough that python-xxhash keeps the
+    GIL (it lets go above about 100 KB), so that a small chunk's hash takes it over no more
+    than once: each slice takes a few microseconds, and the GIL taken back costs up to 5 ms."""
+    if not hold:
+        digest.update(block)
+        return
+    for at in range(0, block.nbytes, _GIL_SLICE):
+        digest.update(block[at : at + _GIL_SLICE])
 
 
 class _Flat:

@@ -487,6 +487,8 @@ def test_a_cairn_that_reads_only_the_zarr_layout_refuses_a_packed_item(tmp_path:
 @given(
     sizes=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 70)), min_size=1, max_size=12),
     window=st.sampled_from([1, 7, 64, 4096]),
+    gil_slice=st.sampled_from([1, 5, 64 << 10]),
+    hold_up_to=st.sampled_from([0, 150, 1 << 30]),
     staged=st.booleans(),
     known=st.sets(st.integers(0, 11)),
 )
@@ -495,13 +497,18 @@ def test_the_hash_pass_gives_each_chunk_and_the_pack_their_own_hashes(
     monkeypatch: pytest.MonkeyPatch,
     sizes: list[tuple[int, int]],
     window: int,
+    gil_slice: int,
+    hold_up_to: int,
     staged: bool,
     known: set[int],
 ) -> None:
     """Chunks of any sizes (empty ones too), with gaps between them (staged) or tight, hashed a
-    window at a time (windows smaller than, equal to and larger than the chunks): each chunk's
-    hash is the XXH3 of its bytes (or the one given for it), the pack's that of the file."""
+    window at a time (windows smaller than, equal to and larger than the chunks), small chunks
+    in slices: each chunk's hash is the XXH3 of its bytes (or the one given for it), the pack's
+    that of the file."""
     monkeypatch.setattr(packs_impl, "_HASH_BLOCK", window)
+    monkeypatch.setattr(packs_impl, "_GIL_SLICE", gil_slice)
+    monkeypatch.setattr(packs_impl, "_HOLD_GIL_UP_TO", hold_up_to)
     rng = np.random.default_rng(len(sizes) * 31 + window)
     pack = packs_impl._Pack()
     if staged:
