@@ -833,7 +833,7 @@ DIRECT_ALIGN = 4096  # O_DIRECT wants address, offset and length in multiples of
 DIRECT_MIN = 1 << 20  # smaller files gain nothing from it
 # One write() call, the unit of a short write. Each call lets go of the GIL, and a training loop
 # busy in Python gives it back only after up to 5 ms: 32 MiB took a 256 MiB commit beside such a
-# loop from 0.69 to 0.57 s (8 MiB before; idle: the same).
+# loop from 0.69 to 0.56 s (8 MiB before; idle: the same).
 _DIRECT_PIECE = 32 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_DIRECT_DEVICES: set[int] = set()  # filesystems that refused O_DIRECT once
