@@ -1010,7 +1010,12 @@ class TrainStateHandler:
 
         tree = encode(obj, leaf, pytrees=True)
         for pieces, at, coming, data in transfers:  # every transfer started: wait for each
-            host = np.asarray(coming)
+            try:
+                host = np.asarray(coming)
+            except Exception:  # a pinned copy NumPy cannot take here: the plain copy, as before
+                if coming is data:
+                    raise
+                host = np.asarray(data)
             if _shares_buffer(host, data):  # the state's own buffer: never keep it as ours
                 host = host.copy()
             pieces[at] = (pieces[at][0], host)

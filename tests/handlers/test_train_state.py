@@ -421,6 +421,31 @@ def test_accelerator_arrays_reach_the_host_as_copies_started_together(
             del new_state
 
 
+def test_a_pinned_copy_numpy_refuses_falls_back_to_the_plain_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should NumPy refuse a `pinned_host` array on some backend, the save takes the plain
+    device-to-host copy instead of failing."""
+    import cairn.handlers._train_state as impl
+
+    monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
+    monkeypatch.setattr(impl, "_PINNED_PLATFORMS", ("cpu",))
+
+    class Refused:
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            raise RuntimeError("no host view of this memory kind")
+
+    monkeypatch.setattr(impl, "_start_transfer", lambda data: Refused())
+    state = jax_state()
+    before = host_copy(state)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"state": state})
+        for leaf in jax.tree_util.tree_leaves(state):
+            leaf.delete()  # the plain copy was copied again: nothing views the state
+        mgr.wait_until_finished()
+        assert_close_trees(mgr.restore(1, {"state": None})["state"], before)
+
+
 def test_odd_dtypes_and_shapes(tmp_path: Path) -> None:
     """Big-endian data is stored little-endian; empty arrays write no chunk; strings are refused."""
     handler = TrainStateHandler(chunk_bytes=4 * 1024, layout="zarr")
