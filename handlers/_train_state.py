@@ -1132,9 +1132,10 @@ _HOST_PLATFORMS = ("cpu",)  # whose buffers NumPy views in place
 def _start_transfer(data: Any) -> Any:
     """For a single-device array on an accelerator, start its device-to-host copy and return
     what `np.asarray` then waits for: a copy in pinned host memory where the platform is one of
-    `_PINNED_PLATFORMS` and its device has that memory kind (``jax.device_put`` to it, queued
-    after the computations that write `data`, before any that donates it), else `data` itself
-    after ``copy_to_host_async``. None for a host (CPU) array: it is viewed in place.
+    `_PINNED_PLATFORMS` and its device has that memory kind (``jax.device_put`` to it), else
+    `data` itself after ``copy_to_host_async``. None for a host (CPU) array: it is viewed in
+    place. The snapshot waits for every copy before ``save()`` returns, so a donation after it
+    cannot race them.
 
     Started for every shard of the state before the first is waited for, the copies overlap
     instead of running one after the other as ``np.asarray`` alone would have them."""

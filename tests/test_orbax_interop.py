@@ -253,3 +253,44 @@ def test_a_damaged_orbax_step_fails_without_reads_left_running(
             assert "'state'" in str(caught.value)
     assert unraisable == []
     assert asyncio_utils._run_sync_via_new_loop is orbax_own  # put back after each restore
+
+
+def test_orbax_waits_for_its_reads_only_while_cairn_calls_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The swap of orbax's run-sync function nests (the outermost exit puts orbax's back), the
+    wait for leftover tasks is bounded, and an orbax without that function is left alone."""
+    import asyncio
+    import importlib
+
+    from orbax.checkpoint._src import asyncio_utils
+
+    impl = importlib.import_module("cairn.handlers._orbax")
+
+    own = asyncio_utils._run_sync_via_new_loop
+    with impl._orbax_finishes_its_reads():
+        assert asyncio_utils._run_sync_via_new_loop is impl._run_sync_finishing
+        with impl._orbax_finishes_its_reads():
+            pass
+        assert asyncio_utils._run_sync_via_new_loop is impl._run_sync_finishing
+    assert asyncio_utils._run_sync_via_new_loop is own
+
+    async def read(finish: bool) -> None:  # a read still in flight when the coroutine fails
+        if not finish:
+            await asyncio.get_running_loop().create_future()  # never done
+
+    left: list[asyncio.Task[None]] = []
+
+    async def fails_leaving(finish: bool) -> None:
+        left.append(asyncio.ensure_future(read(finish)))
+        raise ValueError("the first read failed")
+
+    monkeypatch.setattr(impl, "_FINISH_S", 0.05)  # a task that never ends: not waited for ever
+    with pytest.raises(ValueError, match="first read failed"):
+        impl._run_sync_finishing(fails_leaving(finish=False))
+    with pytest.raises(ValueError, match="first read failed"):
+        impl._run_sync_finishing(fails_leaving(finish=True))
+
+    monkeypatch.delattr(asyncio_utils, "_run_sync_via_new_loop")
+    with impl._orbax_finishes_its_reads():
+        assert not hasattr(asyncio_utils, "_run_sync_via_new_loop")
