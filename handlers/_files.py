@@ -18,6 +18,7 @@ import fcntl
 import functools
 import json
 import logging
+import numbers
 import os
 import re
 import stat
@@ -928,16 +929,16 @@ class WriteBudget:
     """
 
     def __init__(self, bytes_per_s: float) -> None:
-        if (
-            isinstance(bytes_per_s, bool)
-            or not isinstance(bytes_per_s, (int, float))
-            or not bytes_per_s > 0
-            or bytes_per_s == float("inf")
-        ):
+        rate = float("nan")
+        if isinstance(bytes_per_s, numbers.Real) and not isinstance(bytes_per_s, bool):
+            with contextlib.suppress(OverflowError):  # an int past float's range: refused too
+                rate = float(bytes_per_s)  # NumPy's numbers too
+        if not 1 <= rate < float("inf"):  # less than a byte a second: a typo
             raise ValueError(
-                f"max_write_bytes_per_s must be a positive number of bytes, got {bytes_per_s!r}"
+                "max_write_bytes_per_s must be a number of bytes per second, at least 1, "
+                f"got {bytes_per_s!r}"
             )
-        self.bytes_per_s = float(bytes_per_s)
+        self.bytes_per_s = rate
         self._lock = threading.Lock()
         self._next = 0.0  # when the budget has room again (time.monotonic)
 

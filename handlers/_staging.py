@@ -11,8 +11,9 @@ item name. A slab is an anonymous mapping (page aligned, so chunk files can be w
 ``O_DIRECT``), with transparent huge pages asked for, faulted in once, by a background thread
 (``cairn-stage``), the first time a state of that size is saved; that first save keeps views
 instead. The pool holds at most what is in flight (``max_pending`` states per item, as the
-manager never snapshots more) and at most `max_bytes`, shrinks when the state shrinks, and
-frees everything at `close`.
+manager never snapshots more) and at most `max_bytes` (slabs being faulted in count), frees an
+item's slabs of another size at the next lease once its state changed size, and frees
+everything at `close`.
 
 Threads: `lease` runs on the caller's thread (inside ``save()``); a `Lease` is released by the
 write phase on the commit thread, or when its snapshot is dropped unwritten; the warm-up runs on
@@ -117,8 +118,9 @@ class StagingPool:
     `shared` (``writer="process"``) puts slabs in memfds the writer process maps, and never
     keeps views: a slab is mapped at once when none fits. `zero_copy=True` makes every lease
     refused: snapshots keep views of the arrays' buffers (no copy and no memory beyond the
-    state, but JAX declines to donate those buffers until the commit ends). `max_bytes` bounds the slabs held, in use or free: a save that would need more keeps
-    views, and a warning says so once.
+    state, but JAX declines to donate those buffers until the commit ends). `max_bytes` bounds the
+    slabs held, in use, free or being faulted in: a save that would need more keeps views, and
+    a warning says so once.
     """
 
     def __init__(
@@ -138,7 +140,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free: dict[str, list[Slab]] = {}
         self._in_use = 0  # bytes of leased slabs
-        self._warming: dict[str, threading.Thread] = {}
+        self._warming: dict[str, tuple[threading.Thread, int]] = {}  # key -> (thread, bytes)
         self._closed = False
         self._warned = False
 
@@ -146,12 +148,13 @@ class StagingPool:
         return f"StagingPool(held={self.held_bytes()}, max_bytes={self.max_bytes})"
 
     def held_bytes(self) -> int:
-        """Bytes of slabs the pool holds, leased or free."""
+        """Bytes of slabs the pool holds: leased, free or being faulted in."""
         with self._lock:
-            return self._in_use + self._free_bytes()
+            return self._held()
 
-    def _free_bytes(self) -> int:
-        return sum(s.nbytes for slabs in self._free.values() for s in slabs)
+    def _held(self) -> int:
+        free = sum(s.nbytes for slabs in self._free.values() for s in slabs)
+        return self._in_use + free + sum(n for _, n in self._warming.values())
 
     def lease(self, key: str, nbytes: int, *, now: bool = False) -> Lease | None:
         """A faulted-in slab of at least `nbytes` for item `key`, or None: keep views this time.
@@ -168,21 +171,24 @@ class StagingPool:
         with self._lock:
             if self._closed:
                 return None
-            free = self._free.get(key, [])
-            for slab in free:
-                if nbytes <= slab.nbytes <= _fits(nbytes):
-                    free.remove(slab)
-                    self._in_use += slab.nbytes
-                    return Lease(self, key, slab)
-            free.clear()  # the wrong size: the state changed
+            # Free slabs of another size go: the state changed size (a slab that a save in
+            # flight then gives back later goes at the next lease).
+            fitting = self._free[key] = [
+                slab for slab in self._free.get(key, []) if nbytes <= slab.nbytes <= _fits(nbytes)
+            ]
+            if fitting:
+                slab = fitting.pop()
+                self._in_use += slab.nbytes
+                return Lease(self, key, slab)
             if key in self._warming:
                 return None
+            size = max(PAGE, round_up(nbytes))  # a Slab's
             if self.max_bytes is not None:
                 for other in list(self._free):  # make room from other items' spare slabs first
-                    if self._in_use + self._free_bytes() + round_up(nbytes) <= self.max_bytes:
+                    if self._held() + size <= self.max_bytes:
                         break
                     self._free[other] = []
-                if self._in_use + self._free_bytes() + round_up(nbytes) > self.max_bytes:
+                if self._held() + size > self.max_bytes:
                     if not self._warned:
                         self._warned = True
                         log.warning(
@@ -202,7 +208,7 @@ class StagingPool:
             thread = threading.Thread(
                 target=self._warm, args=(key, nbytes), name="cairn-stage", daemon=True
             )
-            self._warming[key] = thread
+            self._warming[key] = (thread, size)  # counted as held from now on
             thread.start()
             return None
 
@@ -254,10 +260,10 @@ class StagingPool:
         """Until no slab is being faulted in."""
         while True:
             with self._lock:
-                thread = next(iter(self._warming.values()), None)
-            if thread is None:
+                warming = next(iter(self._warming.values()), None)
+            if warming is None:
                 return
-            thread.join()
+            warming[0].join()
 
     def close(self) -> None:
         """Free the free slabs now; leased ones are freed when their snapshots release them."""

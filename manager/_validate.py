@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -58,18 +59,27 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
+def _positive_int(value: Any) -> int | None:
+    """`value` as an int if it is a positive integer (NumPy's too, not a bool), else None."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1:
+        return int(value)
+    return None
+
+
 def check_max_pending(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if (count := _positive_int(value)) is None:
         raise ValueError(f"max_pending must be a positive int, got {value!r}")
-    return value
+    return count
 
 
 def check_max_staging_bytes(value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is None:
+        return None
+    if (nbytes := _positive_int(value)) is None:
         raise ValueError(
             f"max_staging_bytes must be None or a positive number of bytes, got {value!r}"
         )
-    return value
+    return nbytes
 
 
 def check_primary_process(value: Any) -> int:

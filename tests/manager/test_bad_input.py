@@ -179,16 +179,16 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("zero_copy flag", {"zero_copy": "yes"}, TypeError, "zero_copy must be a bool, got 'yes'"),
     *(
         (f"max_staging_bytes={v!r}", {"max_staging_bytes": v}, ValueError, "max_staging_bytes must")
-        for v in (0, -1, 1.5, True, "1G")
+        for v in (0, -1, 1.5, True, np.int64(0), "1G")
     ),
     *(
         (
             f"max_write_bytes_per_s={v!r}",
             {"max_write_bytes_per_s": v},
             ValueError,
-            "max_write_bytes_per_s must be a positive number",
+            "max_write_bytes_per_s must be a number of bytes per second",
         )
-        for v in (0, -5, float("nan"), float("inf"), "100M", True)
+        for v in (0, -5, 1e-300, float("nan"), float("inf"), "100M", True)
     ),
     ("barrier_timeout", {"barrier_timeout": 0}, ValueError, "barrier_timeout must be a positive"),
     ("primary type", {"primary_process": "0"}, ValueError, "primary_process must be a process"),
@@ -219,6 +219,20 @@ def test_bad_option_is_refused_before_touching_disk(
     with pytest.raises(error, match=message):
         CheckpointManager(tmp_path / "run", **options)
     assert not (tmp_path / "run").exists()
+
+
+def test_numpy_numbers_are_taken_for_counts_sizes_and_rates(tmp_path: Path) -> None:
+    """Options computed with NumPy (np.int64, np.float32) are numbers like any other."""
+    with CheckpointManager(
+        tmp_path / "run",
+        max_pending=np.int64(2),
+        max_staging_bytes=np.int64(1 << 30),
+        max_write_bytes_per_s=np.float32(1e9),
+    ) as mgr:
+        assert type(mgr._max_pending) is int and mgr._staging.max_bytes == 1 << 30
+        mgr.save(0, {"x": np.arange(8)})
+        mgr.wait_until_finished()
+        np.testing.assert_array_equal(mgr.restore(0)["x"], np.arange(8))
 
 
 @pytest.mark.parametrize(
