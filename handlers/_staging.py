@@ -193,12 +193,12 @@ class StagingPool:
                         self._warned = True
                         log.warning(
                             "cairn: item %r needs %d bytes of staging memory, beyond "
-                            "max_staging_bytes=%d with %d in use; this save keeps views of "
+                            "max_staging_bytes=%d with %d held; this save keeps views of "
                             "the arrays (JAX will not donate them until the commit ends)",
                             key,
                             nbytes,
                             self.max_bytes,
-                            self._in_use,
+                            self._held(),
                         )
                     return None
             if now or self.shared:  # the writer process cannot read views: copy now
