@@ -24,7 +24,9 @@ bench_train_state.py (172 jax CPU arrays), in one run:
   to it);
   the process CPU seconds beyond what the same steps cost in the baseline; the CPU seconds of
   cairn's own threads (``cairn-*``); minor page faults beyond the baseline's per step; and
-  whether each step's donation happened.
+  whether each step's donation happened. The windows also run a ``plain-writer``: the state's
+  bytes written with ``O_DIRECT`` by 4 threads at nice 19, nothing else, the floor for what
+  any commit that writes beside training costs the steps.
 
 Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy=True``, when
 the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager); on
@@ -94,6 +96,7 @@ SYSTEMS = (
     "cairn-zarr",
 )  # last four on request
 DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
+FLOOR_WRITER = "plain-writer"  # in the training windows only: see PlainWriter
 STEPS = ("decoder", "elementwise")
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -191,6 +194,65 @@ class Cairn(bts.CairnRunner):
             "cairn-zarr": {"handlers": {"state": TrainStateHandler(layout="zarr")}},
         }[name]
         self.mgr = CheckpointManager(directory, keep=KeepLatest(1), **extra)
+
+
+class PlainWriter:
+    """The floor for what a commit's writes cost the train steps beside them: no cairn, no
+    hash, no manifest; the state's bytes (from a pre-faulted buffer, as cairn's staging pool)
+    written with ``O_DIRECT`` as 64 MiB files by 4 threads at nice 19 and fsynced, as cairn's
+    packs are. Run in the training windows only, beside the systems."""
+
+    name = FLOOR_WRITER
+
+    def __init__(self, directory: Path, nbytes: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.root = directory
+        self._size = max(4096, -(-nbytes // 4096) * 4096)
+        self._region = mmap.mmap(-1, self._size)
+        np.frombuffer(self._region, np.uint8)[:] = 7  # faulted in, and not zero pages
+        self._done = threading.Event()
+
+    def save(self, step: int, tree: Any) -> None:
+        del step, tree
+        self._done.clear()
+        files = [(at, min(self._size, at + (64 << 20))) for at in range(0, self._size, 64 << 20)]
+        left = [len(files)]
+        lock = threading.Lock()
+
+        def write() -> None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            view = memoryview(self._region)
+            while True:
+                with lock:
+                    if not files:
+                        return
+                    start, end = files.pop(0)
+                fd = os.open(
+                    self.root / f"{start}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+                )
+                try:
+                    at = start
+                    while at < end:
+                        at += os.write(fd, view[at : min(end, at + (32 << 20))])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        self._done.set()
+
+        for k in range(4):
+            threading.Thread(target=write, name=f"plain-write_{k}", daemon=True).start()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def wait_reclaimed(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._region.close()
 
 
 def has_zero_copy() -> bool:
@@ -479,8 +541,10 @@ def run_size(
         runners = {
             name: make_runner(name, scratch / f"{kind}-{name}", abstract) for name in systems
         }
+        runners[FLOOR_WRITER] = PlainWriter(scratch / f"{kind}-{FLOOR_WRITER}", nbytes)
+        in_windows = [*systems, FLOOR_WRITER]
         step = 1000
-        for name in systems:  # two untimed saves each: compiled, pools faulted in
+        for name in in_windows:  # two untimed saves each: compiled, pools faulted in
             for _ in range(2):
                 trainer.run_for(0.5)
                 save_window(
@@ -491,10 +555,10 @@ def run_size(
                     n_leaves,
                 )
                 step += 1
-        windows[kind] = {name: [] for name in systems}
+        windows[kind] = {name: [] for name in in_windows}
         for rep in range(reps):
-            k = rep % len(systems)
-            for name in systems[k:] + systems[:k]:
+            k = rep % len(in_windows)
+            for name in in_windows[k:] + in_windows[:k]:
                 base = baseline(trainer, baseline_s)
                 win = save_window(trainer, runners[name], step, base, n_leaves)
                 win["baseline_step_s"] = base["step_s"]
@@ -573,6 +637,21 @@ def targets(
             rows.append((what, text, r, None if met is None else met(r)))
 
     if system == "limits":
+        memcpy = entry["rounds"]["limit.memcpy"]["median"]
+        for kind in STEPS:
+            if (floor := entry["windows"][kind].get(FLOOR_WRITER)) is None:
+                continue
+            first = floor["first_step_extra_s"]["median"]
+            rows.append(
+                (
+                    f"first step after save() ({kind}), extra ÷ memcpy, beside a plain O_DIRECT "
+                    "writer of the same bytes at nice 19 (the floor for any commit that writes "
+                    "while training runs)",
+                    f"{first * 1e3:.1f} ms ÷ {memcpy * 1e3:.1f} ms = {first / memcpy:.2f}{X}",
+                    first / memcpy,
+                    None,
+                )
+            )
         paired_row(
             "copy_floor_vs_orbax_blocked",
             "memcpy on every core ÷ Orbax's save() blocked (over 1: no copy can block for less)",
@@ -692,10 +771,11 @@ def markdown(result: dict[str, Any]) -> str:
             "",
         ]
         for kind in STEPS:
-            lines.append(f"| {kind} step | " + " | ".join(systems) + " |")
-            lines.append("|---|" + "---:|" * len(systems))
+            columns = [s for s in [*systems, FLOOR_WRITER] if s in entry["windows"][kind]]
+            lines.append(f"| {kind} step | " + " | ".join(columns) + " |")
+            lines.append("|---|" + "---:|" * len(columns))
             for key, what, scale, unit in WINDOW_ROWS:
-                cells = [cell(entry["windows"][kind][s].get(key), scale, unit) for s in systems]
+                cells = [cell(entry["windows"][kind][s].get(key), scale, unit) for s in columns]
                 lines.append(
                     f"| {what}{' (ms)' if unit == 'ms' else ''} | " + " | ".join(cells) + " |"
                 )
