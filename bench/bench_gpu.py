@@ -39,6 +39,7 @@ import bench_overhead as bo
 import bench_train_state as bts
 import numpy as np
 from _common import RESULTS, SCRATCH, MiB, check_equal, machine_facts, now, quiet_logs, spread
+from bench_overhead import D, X
 
 SYSTEMS = ("cairn", "orbax")
 STEPS = ("decoder", "elementwise")
@@ -269,26 +270,30 @@ def ratios(
     return {k: v for k, v in out.items() if v is not None}
 
 
+def ms(s: dict[str, Any]) -> str:
+    return f"{s['median'] * 1e3:.1f} ms | {s['min'] * 1e3:.1f}{D}{s['max'] * 1e3:.1f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"GPU run of {result['date_utc']} (cairn {result['git']}), {result['device']}", ""]
     for label, entry in result["sizes"].items():
         if "error" in entry:
             lines += [f"**{label}**: failed: `{entry['error'].splitlines()[-1]}`", ""]
             continue
-        lines += [f"**{label}** ({entry['tree']['leaves']} leaves)", "", "| figure | median | range |"]
+        lines += [
+            f"**{label}** ({entry['tree']['leaves']} leaves)",
+            "",
+            "| figure | median | range |",
+        ]
         lines.append("|---|---|---|")
         for key, s in entry["rounds"].items():
-            lines.append(f"| {key} | {s['median'] * 1e3:.1f} ms | {s['min'] * 1e3:.1f}–{s['max'] * 1e3:.1f} |")
+            lines.append(f"| {key} | {ms(s)} |")
         for key, s in entry["ratios"].items():
-            lines.append(f"| {key} | {s['median']:.2f}× | {s['min']:.2f}–{s['max']:.2f} |")
+            lines.append(f"| {key} | {s['median']:.2f}{X} | {s['min']:.2f}{D}{s['max']:.2f} |")
         for kind, per in entry["windows"].items():
             for name, row in per.items():
                 for key in ("lost_s", "blocked_s", "first_step_extra_s"):
-                    s = row[key]
-                    lines.append(
-                        f"| {kind}, {name}: {key} | {s['median'] * 1e3:.1f} ms | "
-                        f"{s['min'] * 1e3:.1f}–{s['max'] * 1e3:.1f} |"
-                    )
+                    lines.append(f"| {kind}, {name}: {key} | {ms(row[key])} |")
         lines.append("")
     return "\n".join(lines)
 
