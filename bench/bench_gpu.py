@@ -41,7 +41,7 @@ import numpy as np
 from _common import RESULTS, SCRATCH, MiB, check_equal, machine_facts, now, quiet_logs, spread
 from bench_overhead import D, X
 
-SYSTEMS = ("cairn", "orbax")
+SYSTEMS = ("cairn", "orbax", "cairn-process")  # the last on request (--systems)
 STEPS = ("decoder", "elementwise")
 
 
@@ -64,10 +64,11 @@ def probe(log: Any) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    x = jax.block_until_ready(jnp.arange(16 * MiB, dtype=jnp.float32))
-    out: dict[str, Any] = {"platform": next(iter(x.devices())).platform, "pinned": has_pinned(x)}
+    y = jax.block_until_ready(jnp.arange(16 * MiB, dtype=jnp.float32))
+    out: dict[str, Any] = {"platform": next(iter(y.devices())).platform, "pinned": has_pinned(y)}
     times: dict[str, list[float]] = {}
     for _ in range(6):
+        x = fresh(y)  # an array keeps its host copy once made: a new one each time
         t0 = now()
         host = jax.device_get(x)
         t1 = now()
@@ -92,6 +93,14 @@ def probe(log: Any) -> dict[str, Any]:
     return out
 
 
+def fresh(x: Any) -> Any:
+    """A new device array of the same values, with no host copy cached in it."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.block_until_ready(jnp.copy(x))
+
+
 def torch_pinned_floor(leaves: list[Any]) -> float | None:
     """A copy of every leaf into pinned buffers allocated beforehand (through DLPack and torch):
     the bus's floor, with no allocation in it. None where torch has no CUDA."""
@@ -114,10 +123,12 @@ def torch_pinned_floor(leaves: list[Any]) -> float | None:
     return now() - t0
 
 
-def floors(leaves: list[Any], scratch: Path) -> dict[str, float]:
+def floors(state: list[Any], scratch: Path) -> dict[str, float]:
+    """Each on new copies of the leaves: `jax.Array` keeps the host copy `device_get` made."""
     import jax
 
     out: dict[str, float] = {}
+    leaves = [fresh(x) for x in state]
     if all(has_pinned(x) for x in leaves):
         t0 = now()
         copies = [jax.device_put(x, pinned(x)) for x in leaves]
@@ -129,6 +140,7 @@ def floors(leaves: list[Any], scratch: Path) -> dict[str, float]:
         arrays = [np.asarray(c) for c in copies]
         out["d2h_pinned_asarray"] = now() - t0
         del copies, arrays
+    leaves = [fresh(x) for x in state]
     t0 = now()
     host = jax.device_get(leaves)
     out["d2h_pageable"] = now() - t0
@@ -157,13 +169,16 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
     )
+    # what a restore must give back, taken from copies: the state's arrays get no host copy
+    expected = jax.tree.map(lambda x: np.asarray(fresh(x)), tree)
     scratch = SCRATCH / f"gpu-{label}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     log(f"[{label}] {n_leaves} leaves, {nbytes / MiB:.0f} MiB on {info['device']}")
     rounds: dict[str, list[float]] = {}
-    runners = {name: bo.make_runner(name, scratch / name, abstract) for name in SYSTEMS}
-    order = ["floors", *SYSTEMS]
+    systems = args.systems
+    runners = {name: bo.make_runner(name, scratch / name, abstract) for name in systems}
+    order = ["floors", *systems]
     checks: dict[str, Any] = {}
     for rnd in range(args.repeats + 1):  # round 0: warm-up and checks, not recorded
         k = rnd % len(order)
@@ -184,7 +199,7 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 restored = jax.block_until_ready(runner.restore(100 + rnd))
                 values["restore"] = now() - t3
                 if rnd == 0:
-                    check_equal(tree, restored, name)
+                    check_equal(expected, restored, name)
                     where = {str(d) for x in jax.tree.leaves(restored) for d in x.devices()}
                     checks[name] = {"values_equal": True, "restored_on": sorted(where)}
                 del restored
@@ -194,7 +209,7 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"[{label}] round {rnd}/{args.repeats} ({now() - t_start:.0f} s)")
     for runner in runners.values():
         runner.close()
-    del leaves
+    del leaves, expected
     windows: dict[str, dict[str, list[dict[str, float]]]] = {}
     state = [tree]
     del tree
@@ -203,17 +218,18 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         for _ in range(3):
             trainer.step()
         runners = {
-            name: bo.make_runner(name, scratch / f"{kind}-{name}", abstract) for name in SYSTEMS
+            name: bo.make_runner(name, scratch / f"{kind}-{name}", abstract) for name in systems
         }
         zero = {"step_s": 0, "gap_s": 0, "cpu_per_step": 0, "faults_per_step": 0}
         step = 1000
-        for name in SYSTEMS:  # one untimed save each: compiled, pools set up
+        for name in systems:  # one untimed save each: compiled, pools set up
             trainer.run_for(0.2)
             bo.save_window(trainer, runners[name], step, zero, n_leaves)
             step += 1
-        windows[kind] = {name: [] for name in SYSTEMS}
+        windows[kind] = {name: [] for name in systems}
         for rep in range(args.reps):
-            for name in SYSTEMS[rep % 2 :] + SYSTEMS[: rep % 2]:
+            k = rep % len(systems)
+            for name in systems[k:] + systems[:k]:
                 base = bo.baseline(trainer, args.baseline_s)
                 win = bo.save_window(trainer, runners[name], step, base, n_leaves)
                 win["baseline_step_s"] = base["step_s"]
@@ -225,7 +241,6 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         state = [trainer.state]
         del trainer
     shutil.rmtree(scratch, ignore_errors=True)
-    keys = ("lost_s", "blocked_s", "first_step_extra_s", "first_step_donated", "commit_s")
     return {
         "tree": info,
         "checks": checks,
@@ -233,8 +248,7 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         "ratios": ratios(rounds, windows),
         "windows": {
             kind: {
-                name: {key: spread([w[key] for w in rows], 6) for key in (*keys, "window_steps")}
-                | {"baseline_step_s": spread([w["baseline_step_s"] for w in rows], 6)}
+                name: {key: spread([w[key] for w in rows], 6) for key in rows[0]}
                 for name, rows in per.items()
             }
             for kind, per in windows.items()
@@ -263,10 +277,12 @@ def ratios(
         "orbax restore / cairn restore": paired("orbax.restore", "cairn.restore"),
     }
     for kind, per in windows.items():
-        pairs = zip(per["cairn"], per["orbax"], strict=True)
-        out[f"{kind}: lost / orbax"] = spread(
-            [c["lost_s"] / o["lost_s"] if o["lost_s"] > 0 else float("nan") for c, o in pairs], 4
-        )
+        for name in per.keys() - {"orbax"}:
+            lost = [
+                c["lost_s"] / o["lost_s"] if o["lost_s"] > 0 else float("nan")
+                for c, o in zip(per[name], per["orbax"], strict=True)
+            ]
+            out[f"{kind}: {name} lost / orbax"] = spread(lost, 4)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -301,6 +317,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="256M,1G")
+    parser.add_argument("--systems", default="cairn,orbax", help=f"of {', '.join(SYSTEMS)}")
     parser.add_argument("--repeats", type=int, default=5, help="save/restore rounds")
     parser.add_argument("--reps", type=int, default=5, help="save windows per system and step")
     parser.add_argument("--baseline-s", type=float, default=0.5)
@@ -312,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())))
         return 0
+    args.systems = [s for s in args.systems.split(",") if s]
+    if not set(args.systems) <= set(SYSTEMS) or not {"cairn", "orbax"} <= set(args.systems):
+        parser.error(f"--systems: cairn, orbax and any of {SYSTEMS}")
     if args.quick:
         args.sizes, args.repeats, args.reps, args.baseline_s, args.tokens = "16M", 2, 2, 0.2, 32
     t0 = now()

@@ -383,6 +383,7 @@ def test_max_staging_bytes_keeps_views_past_the_bound(
     after save() is declined (views), a warning names the option once, and each step is right."""
     import jax
     import jax.numpy as jnp
+    from test_train_state import VIEWS
 
     from cairn.handlers import InMemoryHandler
     from cairn.manager import CheckpointManager
@@ -399,7 +400,8 @@ def test_max_staging_bytes_keeps_views_past_the_bound(
             assert gate.entered.wait(30)  # the commit is held: the save is in flight
             gate.entered.clear()
             new = step_fn(state)
-            assert not state["w"].is_deleted()  # views: JAX declined the donation
+            # views: JAX declined the donation (on an accelerator: host copies, no pool at all)
+            assert state["w"].is_deleted() is not VIEWS
             gate.release.set()
             mgr.wait_until_finished()
             gate.release.clear()
@@ -407,7 +409,7 @@ def test_max_staging_bytes_keeps_views_past_the_bound(
             np.testing.assert_array_equal(restored, np.full((256, 1024), step))
             del new
         assert mgr._staging.held_bytes() == 0
-    assert caplog.text.count("max_staging_bytes=65536") == 1
+    assert caplog.text.count("max_staging_bytes=65536") == int(VIEWS)
 
 
 # ------------------------------------------------ the commit writes while save() is still copying
