@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -436,10 +437,11 @@ class _StateSnapshot:
         workers: int,
     ) -> tuple[list[tuple[str, int, int]], list[tuple[str, np.ndarray, np.dtype]]]:
         """Hash each chunk that the previous save recorded at the same path and size (staged, or
-        a view that needs no cast); one whose hash is the recorded one joins `unchanged`. The
-        staged chunks and views left to write are returned, and every hash made is put in
-        `digests` (a pack writes it without hashing the chunk again)."""
-        candidates: list[tuple[str, Any, memoryview, Packed]] = []
+        a view, cast a piece at a time where `save_dtype` casts it: on an accelerator every
+        chunk is a view); one whose hash is the recorded one joins `unchanged`. The staged
+        chunks and views left to write are returned, and every hash made is put in `digests`
+        (a pack writes it without hashing the chunk again)."""
+        candidates: list[tuple[str, Any, memoryview | Callable[[], str], Packed]] = []
         for chunk in staged:
             vpath, at, nbytes = chunk
             was = previous.get(vpath)
@@ -449,15 +451,23 @@ class _StateSnapshot:
         for view in views:
             vpath, part, want = view
             was = previous.get(vpath)
-            if was is not None and part.dtype == want and was.nbytes == part.nbytes:
-                data = memoryview(_raw(part, want))  # type: ignore[arg-type]
+            if was is not None and was.nbytes == part.size * want.itemsize:
+                if part.dtype == want:
+                    data: Any = memoryview(_raw(part, want))  # type: ignore[arg-type]
+                else:
+                    data = functools.partial(_cast_digest, part, want)
                 candidates.append((vpath, (view, int(vpath.split("/")[1])), data, was))
         if not candidates:
             return staged, views
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="cairn-write", initializer=lower_thread_priority
         ) as pool:
-            hashed = list(pool.map(lambda c: xxhash.xxh3_128_hexdigest(c[2]), candidates))
+            hashed = list(
+                pool.map(
+                    lambda c: c[2]() if callable(c[2]) else xxhash.xxh3_128_hexdigest(c[2]),
+                    candidates,
+                )
+            )
         same: set[str] = set()
         for (vpath, fallback, _, was), digest in zip(candidates, hashed, strict=True):
             digests[vpath] = digest
@@ -773,6 +783,22 @@ def _raw(part: np.ndarray, want: np.dtype) -> np.ndarray:
     """A chunk's bytes as stored: cast to `want` if it differs, contiguous, as uint8."""
     data = part.astype(want) if part.dtype != want else part
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # ml_dtypes lack buffers
+
+
+_CAST_PIECE = 4 * _MiB  # of a view cast to be hashed (an incremental save with save_dtype)
+
+
+def _cast_digest(part: np.ndarray, want: np.dtype) -> str:
+    """The content hash of `part` as stored (cast to `want`), cast `_CAST_PIECE` bytes of rows
+    at a time: no cast copy of the whole chunk is held."""
+    if not part.ndim:
+        return xxhash.xxh3_128_hexdigest(memoryview(_raw(part, want)))  # type: ignore[arg-type]
+    row = max(1, part[:1].size * max(part.dtype.itemsize, want.itemsize))
+    rows = max(1, _CAST_PIECE // row)
+    hashed = xxhash.xxh3_128()
+    for at in range(0, part.shape[0], rows):
+        hashed.update(memoryview(_raw(part[at : at + rows], want)))  # type: ignore[arg-type]
+    return hashed.hexdigest()
 
 
 def _write_chunks(

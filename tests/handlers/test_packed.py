@@ -19,6 +19,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_train_state import VIEWS
 from treeutil import assert_tree_equal
 
 from cairn.handlers import TrainStateHandler, TrainStateRestore
@@ -65,7 +66,10 @@ def item_files(root: Path, step: int) -> list[str]:
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_round_trip_views_and_staged(tmp_path: Path, zero_copy: bool) -> None:
     """Step 1 is written from views (the pool warms), step 2 from the staging pool, or both
-    from views with zero_copy=True; every dtype comes back equal, in a few files."""
+    from views with zero_copy=True; every dtype comes back equal, in a few files. (On a GPU the
+    jax leaves' host copies are written as they are, the NumPy leaves from the pool: a pack
+    each.)"""
+    packs = 1 if VIEWS or zero_copy else 2
     with CheckpointManager(tmp_path, handlers=packed(chunk_bytes=8192), zero_copy=zero_copy) as m:
         for step in (1, 2):
             m.save(step, {"state": sample(step)})
@@ -75,7 +79,7 @@ def test_round_trip_views_and_staged(tmp_path: Path, zero_copy: bool) -> None:
             assert m.verify(step) == []
             files = item_files(tmp_path, step)
             assert not any(f.startswith("arrays/") for f in files)
-            assert files[-2:] == ["packs/index.0.json", "tree.json"] and len(files) == 3
+            assert files[-2:] == ["packs/index.0.json", "tree.json"] and len(files) == 2 + packs
             entry = manifest(tmp_path, step)["items"]["state"]
             assert (entry["handler"], entry["version"]) == ("cairn.train_state", 2)
 
@@ -440,16 +444,22 @@ def test_a_restarted_process_links_against_the_committed_index(tmp_path: Path) -
         np.testing.assert_array_equal(m.restore(2)["state"]["frozen"], frozen)
 
 
-def test_incremental_with_save_dtype_and_keep_items(tmp_path: Path) -> None:
-    """A frozen float32 leaf saved as bfloat16 (cast into the pool) matches the previous step's
-    chunk by the hash of its cast bytes; per-item retention drops the item from the step whose
-    pack a newer step links, and the newer step still restores."""
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["pool", "views"])
+def test_incremental_with_save_dtype_and_keep_items(tmp_path: Path, zero_copy: bool) -> None:
+    """A frozen float32 leaf saved as bfloat16 (cast into the pool, or, from views, cast a
+    piece at a time to be hashed: every save on a GPU) matches the previous step's chunk by the
+    hash of its cast bytes; per-item retention drops the item from the step whose pack a newer
+    step links, and the newer step still restores."""
     from cairn.manager import KeepLatest
 
     frozen = jnp.linspace(0, 1, 1 << 21, dtype=jnp.float32)  # 8 MiB, 4 MiB as bfloat16
     handlers = packed(save_dtype=jnp.bfloat16)
     with CheckpointManager(
-        tmp_path, incremental=True, handlers=handlers, keep_items={"state": KeepLatest(1)}
+        tmp_path,
+        incremental=True,
+        handlers=handlers,
+        keep_items={"state": KeepLatest(1)},
+        zero_copy=zero_copy,
     ) as m:
         for step in (1, 2, 3):
             m.save(step, {"state": {"frozen": frozen * 1, "w": jnp.full(4, float(step))}})
@@ -531,3 +541,23 @@ def test_the_hash_pass_gives_each_chunk_and_the_pack_their_own_hashes(
     for vpath, at, n in pack.chunks:
         want = given.get(vpath) or xxhash.xxh3_128_hexdigest(data[at : at + n])
         assert placed[vpath].xxh3_128 == want, vpath
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        np.float32(1.5) * np.ones(()),  # a scalar
+        np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)[:, 1:4, ::2],  # not contiguous
+        np.linspace(0, 1, (packs_impl.PACK_BYTES // 4) + 17, dtype=np.float32),  # many pieces
+        np.zeros((0, 4), np.float32),
+    ],
+    ids=["scalar", "strided", "pieces", "empty"],
+)
+def test_a_cast_view_is_hashed_in_pieces_as_its_stored_bytes(part: np.ndarray) -> None:
+    """The hash of a view that save_dtype casts, made a piece at a time, is the hash of the whole
+    chunk as written."""
+    from cairn.handlers._train_state import _cast_digest, _raw
+
+    want = np.dtype(ml_dtypes.bfloat16)
+    assert _cast_digest(part, want) == xxhash.xxh3_128_hexdigest(_raw(part, want))
+    assert _cast_digest(part, part.dtype) == xxhash.xxh3_128_hexdigest(_raw(part, part.dtype))
