@@ -540,11 +540,13 @@ def _unchanged(
 
 
 def _stage_layout(
-    leaves: Sequence[_Leaf], *, known: bool = False, packed: bool = False
+    leaves: Sequence[_Leaf], *, known: bool = False, packed: bool = False, owned: bool = False
 ) -> tuple[list[_Placed], int]:
-    """Where `_stage` puts each chunk of the leaves that do not own their pieces, and the slab
-    bytes that takes. Unchanged arrays (`known`, incremental saves) keep views and are left
-    out, unless `known` asks for them too (the size a slab is kept at).
+    """Where `_stage` puts each chunk of the leaves that do not own their pieces (with `owned`,
+    of those that do too: a writer process reads the slab, and a host copy would otherwise be
+    pickled to it), and the slab bytes that takes. Unchanged arrays (`known`, incremental
+    saves) keep views and are left out, unless `known` asks for them too (the size a slab is
+    kept at).
 
     The zarr layout writes each chunk as a file of its own, with O_DIRECT: each chunk (its data
     and the 4-byte crc32c tail) from a page boundary. The packed layout writes spans of the slab
@@ -555,7 +557,7 @@ def _stage_layout(
     at = 0
     pack_start = 0
     for leaf in leaves:
-        if leaf.owned or (leaf.known is not None and not known):
+        if (leaf.owned and not owned) or (leaf.known is not None and not known):
             continue
         nbytes = _size(leaf.chunk) * leaf.dtype.itemsize
         for region, data in leaf.pieces:
@@ -905,7 +907,8 @@ class TrainStateHandler:
       donated meanwhile.
     - On GPU/TPU the snapshot is each shard's device-to-host copy (`_start_transfer`: into
       pinned host memory on GPU), all started before the first is waited for, and kept as it
-      is, not staged.
+      is, not staged; with a writer process (a pool of shared slabs), staged all the same, so
+      that the job sent to it holds the slab's descriptor, not pickled arrays.
     - ``np.ndarray`` leaves (and other array-likes) are copied, since the caller may change
       them in place; NumPy and Python scalars and the structure are captured as values.
 
@@ -1053,12 +1056,12 @@ class TrainStateHandler:
         if staging is not None:  # inside a manager's save(): its pool, if it has room
             # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
             copies_anyway = not any(kept.sources for kept in leaves)
-            packed = self.layout == "packed"
-            placed, size = _stage_layout(leaves, packed=packed)
+            packed, shared = self.layout == "packed", staging[0].shared
+            placed, size = _stage_layout(leaves, packed=packed, owned=shared)
             if any(kept.known is not None for kept in leaves):
                 # A slab for the whole state all the same: the next save may change every leaf,
                 # and a pool that shrank would fault a new one in then.
-                size = _stage_layout(leaves, known=True, packed=packed)[1]
+                size = _stage_layout(leaves, known=True, packed=packed, owned=shared)[1]
             lease = staging[0].lease(staging[1], size, now=copies_anyway)
         copying = None
         if lease is not None:

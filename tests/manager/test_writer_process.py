@@ -622,3 +622,37 @@ def test_a_crafted_lock_file_gives_a_clear_refusal(
         with pytest.raises(DirectoryLockedError, match="held by another writable"):
             CheckpointManager(tmp_path, writer="process")
     assert sorted(os.listdir(tmp_path)) == [".cairn.lock"]
+
+
+def test_on_an_accelerator_the_host_copies_reach_the_writer_in_shared_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPU/TPU the snapshot is each shard's device-to-host copy. With a writer process those
+    copies are staged into the shared slab too, so the job sent over the socket is the tree and
+    the slab's descriptor, not the arrays pickled (which held save() for 1.5 s per GiB on an
+    H200). The CPU backend made to pass for an accelerator."""
+    import jax.numpy as jnp
+
+    import cairn.handlers._train_state as impl
+    from cairn.manager import _writer
+
+    monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
+    sent: list[tuple[int, int]] = []
+    real = _writer.WriterProcess.send
+
+    def send(self: Any, payload: bytes, fds: Any) -> None:
+        sent.append((len(payload), len(fds)))
+        real(self, payload, fds)
+
+    monkeypatch.setattr(_writer.WriterProcess, "send", send)
+    state = {"w": jnp.arange(1 << 20, dtype=jnp.float32), "b": jnp.ones(7, jnp.bfloat16)}
+    with CheckpointManager(tmp_path, writer="process") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": {k: x * step for k, x in state.items()}})
+        mgr.wait_until_finished()
+        for step in (1, 2):
+            got = mgr.restore(step)["state"]
+            np.testing.assert_array_equal(got["w"], np.arange(1 << 20, dtype=np.float32) * step)
+            np.testing.assert_array_equal(got["b"], np.full(7, step, got["b"].dtype))
+    assert [fds for _, fds in sent] == [1, 1]  # a slab each
+    assert max(size for size, _ in sent) < 64 << 10  # the state is 4 MiB
