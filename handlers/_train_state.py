@@ -446,16 +446,17 @@ class _StateSnapshot:
             vpath, at, nbytes = chunk
             was = previous.get(vpath)
             if slab is not None and was is not None and was.nbytes == nbytes:
-                data = memoryview(slab[at : at + nbytes])  # type: ignore[arg-type]
-                candidates.append((vpath, (chunk, None), data, was))
+                region = memoryview(slab[at : at + nbytes])  # type: ignore[arg-type]
+                candidates.append((vpath, (chunk, None), region, was))
         for view in views:
             vpath, part, want = view
             was = previous.get(vpath)
             if was is not None and was.nbytes == part.size * want.itemsize:
-                if part.dtype == want:
-                    data: Any = memoryview(_raw(part, want))  # type: ignore[arg-type]
-                else:
-                    data = functools.partial(_cast_digest, part, want)
+                data: memoryview | Callable[[], str] = (
+                    memoryview(_raw(part, want))  # type: ignore[arg-type]
+                    if part.dtype == want
+                    else functools.partial(_cast_digest, part, want)
+                )
                 candidates.append((vpath, (view, int(vpath.split("/")[1])), data, was))
         if not candidates:
             return staged, views
