@@ -188,13 +188,7 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 values = floors(leaves, scratch)
             else:
                 runner = runners[name]
-                t0 = now()
-                runner.save(100 + rnd, tree)
-                t1 = now()
-                runner.wait()
-                t2 = now()
-                runner.wait_reclaimed()
-                values = {"blocked": t1 - t0, "commit": t2 - t0}
+                values = bo.timed_save(runner, 100 + rnd, tree)
                 t3 = now()
                 restored = jax.block_until_ready(runner.restore(100 + rnd))
                 values["restore"] = now() - t3
@@ -226,15 +220,9 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
             trainer.run_for(0.2)
             bo.save_window(trainer, runners[name], step, zero, n_leaves)
             step += 1
-        windows[kind] = {name: [] for name in systems}
-        for rep in range(args.reps):
-            k = rep % len(systems)
-            for name in systems[k:] + systems[:k]:
-                base = bo.baseline(trainer, args.baseline_s)
-                win = bo.save_window(trainer, runners[name], step, base, n_leaves)
-                win["baseline_step_s"] = base["step_s"]
-                windows[kind][name].append(win)
-                step += 1
+        windows[kind] = bo.rotated_windows(
+            trainer, runners, systems, args.reps, args.baseline_s, step, n_leaves
+        )
         log(f"[{label}] {kind}: {args.reps} windows each ({now() - t_start:.0f} s)")
         for runner in runners.values():
             runner.close()

@@ -272,6 +272,19 @@ def make_runner(name: str, directory: Path, abstract: Any) -> Any:
     return runner
 
 
+def timed_save(runner: Any, step: int, tree: Any) -> dict[str, float]:
+    """One save, until its retired step is gone too: ``save()`` blocked; commit, from the save's
+    start to committed (the staging copy included); after_save, from ``save()``'s return to
+    committed (the write phase and the commit alone)."""
+    t0 = now()
+    runner.save(step, tree)
+    t1 = now()
+    runner.wait()
+    t2 = now()
+    runner.wait_reclaimed()
+    return {"blocked": t1 - t0, "commit": t2 - t0, "after_save": t2 - t1}
+
+
 def page_cache(directory: Path, *, drop: bool) -> None:
     """Every file under `directory` out of the page cache (``POSIX_FADV_DONTNEED``: a cold
     restore, without dropping the whole machine's caches) or read once into it (a warm one)."""
@@ -431,6 +444,31 @@ def save_window(
     }
 
 
+def rotated_windows(
+    trainer: bts.Trainer,
+    runners: dict[str, Any],
+    names: list[str],
+    reps: int,
+    baseline_s: float,
+    step: int,
+    n_leaves: int,
+    done: Callable[[int], None] = lambda rep: None,
+) -> dict[str, list[dict[str, float]]]:
+    """`reps` save windows of each runner in `names`, each after a baseline of `baseline_s`
+    seconds, the order rotated at every repetition; steps numbered from `step`."""
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for rep in range(reps):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            base = baseline(trainer, baseline_s)
+            win = save_window(trainer, runners[name], step, base, n_leaves)
+            win["baseline_step_s"] = base["step_s"]
+            out[name].append(win)
+            step += 1
+        done(rep)
+    return out
+
+
 # ----------------------------------------------------------------------------- one size
 
 
@@ -504,15 +542,7 @@ def run_size(
                 values = limits(views, scratch / "plain.bin")
             else:
                 runner = runners[name]
-                t0 = now()
-                runner.save(100 + rnd, tree)
-                t1 = now()
-                runner.wait()
-                t2 = now()
-                runner.wait_reclaimed()
-                # commit: save start -> committed (the staging copy included); after_save:
-                # save() returned -> committed, the write phase and the commit alone
-                values = {"blocked": t1 - t0, "commit": t2 - t0, "after_save": t2 - t1}
+                values = timed_save(runner, 100 + rnd, tree)
                 for key, drop in (("restore", False), ("restore_cold", True)):
                     page_cache(runner.root, drop=drop)
                     t3 = now()
@@ -555,16 +585,18 @@ def run_size(
                     n_leaves,
                 )
                 step += 1
-        windows[kind] = {name: [] for name in in_windows}
-        for rep in range(reps):
-            k = rep % len(in_windows)
-            for name in in_windows[k:] + in_windows[:k]:
-                base = baseline(trainer, baseline_s)
-                win = save_window(trainer, runners[name], step, base, n_leaves)
-                win["baseline_step_s"] = base["step_s"]
-                windows[kind][name].append(win)
-                step += 1
-            log(f"[{label}] {kind} rep {rep + 1}/{reps} ({now() - t_start:.0f} s)")
+        windows[kind] = rotated_windows(
+            trainer,
+            runners,
+            in_windows,
+            reps,
+            baseline_s,
+            step,
+            n_leaves,
+            lambda rep, kind=kind: log(
+                f"[{label}] {kind} rep {rep + 1}/{reps} ({now() - t_start:.0f} s)"
+            ),
+        )
         for runner in runners.values():
             runner.close()
         state = [trainer.state]
