@@ -193,8 +193,10 @@ class StagingPool:
                         self._warned = True
                         log.warning(
                             "cairn: item %r needs %d bytes of staging memory, beyond "
-                            "max_staging_bytes=%d with %d held; this save keeps views of "
-                            "the arrays (JAX will not donate them until the commit ends)",
+                            "max_staging_bytes=%d with %d held; this save is not staged: "
+                            "it keeps views of arrays on the CPU (JAX will not donate them "
+                            "until the commit ends) and, with writer='process', sends the "
+                            "arrays' bytes through the writer's socket",
                             key,
                             nbytes,
                             self.max_bytes,
