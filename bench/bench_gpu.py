@@ -188,7 +188,7 @@ def run_size(label: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 values = floors(leaves, scratch)
             else:
                 runner = runners[name]
-                values = bo.timed_save(runner, 100 + rnd, tree)
+                values = bts.timed_save(runner, 100 + rnd, tree)
                 t3 = now()
                 restored = jax.block_until_ready(runner.restore(100 + rnd))
                 values["restore"] = now() - t3
@@ -251,9 +251,7 @@ def ratios(
     """Same-round (same-window-pair) ratios: cairn over Orbax and over the floors."""
 
     def paired(num: str, den: str) -> dict[str, Any] | None:
-        if num not in rounds or den not in rounds:
-            return None
-        return spread([a / b for a, b in zip(rounds[num], rounds[den], strict=True)], 4)
+        return bo.same_round_ratio(rounds, num, den)
 
     out: dict[str, Any] = {
         "blocked / orbax": paired("cairn.blocked", "orbax.blocked"),

@@ -272,19 +272,6 @@ def make_runner(name: str, directory: Path, abstract: Any) -> Any:
     return runner
 
 
-def timed_save(runner: Any, step: int, tree: Any) -> dict[str, float]:
-    """One save, until its retired step is gone too: ``save()`` blocked; commit, from the save's
-    start to committed (the staging copy included); after_save, from ``save()``'s return to
-    committed (the write phase and the commit alone)."""
-    t0 = now()
-    runner.save(step, tree)
-    t1 = now()
-    runner.wait()
-    t2 = now()
-    runner.wait_reclaimed()
-    return {"blocked": t1 - t0, "commit": t2 - t0, "after_save": t2 - t1}
-
-
 def page_cache(directory: Path, *, drop: bool) -> None:
     """Every file under `directory` out of the page cache (``POSIX_FADV_DONTNEED``: a cold
     restore, without dropping the whole machine's caches) or read once into it (a warm one)."""
@@ -542,7 +529,7 @@ def run_size(
                 values = limits(views, scratch / "plain.bin")
             else:
                 runner = runners[name]
-                values = timed_save(runner, 100 + rnd, tree)
+                values = bts.timed_save(runner, 100 + rnd, tree)
                 for key, drop in (("restore", False), ("restore_cold", True)):
                     page_cache(runner.root, drop=drop)
                     t3 = now()
@@ -620,13 +607,18 @@ def run_size(
     }
 
 
+def same_round_ratio(rounds: dict[str, list[float]], num: str, den: str) -> dict[str, Any] | None:
+    """`num` ÷ `den`, round by round; None where either was not measured."""
+    if num not in rounds or den not in rounds:
+        return None
+    return spread([a / b for a, b in zip(rounds[num], rounds[den], strict=True)], 4)
+
+
 def paired(rounds: dict[str, list[float]], systems: list[str], nbytes: int) -> dict[str, Any]:
     """Same-round ratios."""
 
     def ratio(num: str, den: str) -> dict[str, Any] | None:
-        if num not in rounds or den not in rounds:
-            return None
-        return spread([a / b for a, b in zip(rounds[num], rounds[den], strict=True)], 4)
+        return same_round_ratio(rounds, num, den)
 
     # Over 1: no copy, however it is made, can block save() for less than Orbax's views do.
     out: dict[str, Any] = {

@@ -339,6 +339,20 @@ def clean_memory() -> None:
     malloc_trim()
 
 
+def timed_save(runner: Any, step: int, tree: Any) -> dict[str, float]:
+    """One save, from its start: ``save()`` blocked; commit, until committed (the staging copy
+    included); after_save, from ``save()``'s return to committed (the write phase and the
+    commit alone); freed, until the retired step is gone too."""
+    t0 = now()
+    runner.save(step, tree)
+    t1 = now()
+    runner.wait()
+    t2 = now()
+    runner.wait_reclaimed()
+    t3 = now()
+    return {"blocked": t1 - t0, "commit": t2 - t0, "after_save": t2 - t1, "freed": t3 - t0}
+
+
 def save_and_restore(
     runner: Any, tree: Any, step: int, sampler: RssSampler, nbytes: int, check: bool
 ) -> dict[str, float]:
@@ -348,20 +362,14 @@ def save_and_restore(
     clean_memory()
     base = sampler.start_window()
     cpu0 = os.times()
-    t0 = now()
-    runner.save(step, tree)
-    t1 = now()
-    runner.wait()
-    t2 = now()
-    runner.wait_reclaimed()
-    t3 = now()
+    times = timed_save(runner, step, tree)
     cpu1 = os.times()
     peak = sampler.peak()
     after = sampler.rss()
     out = {
-        "blocked": t1 - t0,
-        "committed": t2 - t0,
-        "freed": t3 - t0,
+        "blocked": times["blocked"],
+        "committed": times["commit"],
+        "freed": times["freed"],
         "cpu_save": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
         "cpu_save_sys": cpu1.system - cpu0.system,
         "mem_save": (peak - base) / nbytes,
