@@ -175,22 +175,23 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 
 _NAME_LIMIT = 255
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_IOV_MAX = 1024  # buffers one preadv takes (Linux's UIO_MAXIOV)
 
 
 def check_relative(relpath: str) -> None:
     """A path inside an item: `/`-separated plain names (no empty, `.` or `..` part, no NUL or
     control character, none longer than a filesystem allows, none that no filesystem can
     name: a lone surrogate such as JSON's ``"\ud800"`` has no bytes). ValueError otherwise."""
-    parts = relpath.split("/") if isinstance(relpath, str) else [""]
-    try:
-        unnameable = any(len(os.fsencode(p)) > _NAME_LIMIT for p in parts)
+    try:  # UTF-8 (surrogateescape): b"/" is in no other character's bytes, so these are the parts
+        encoded = os.fsencode(relpath).split(b"/") if isinstance(relpath, str) else None
     except UnicodeEncodeError:  # a lone surrogate
-        unnameable = True
+        encoded = None
     if (
         not relpath
-        or unnameable
-        or any(p in ("", ".", "..") for p in parts)
-        or any(ord(c) < 0x20 or c == "\x7f" for c in relpath)
+        or encoded is None
+        or any(len(p) > _NAME_LIMIT or p in (b"", b".", b"..") for p in encoded)
+        or _CONTROL.search(relpath)
     ):
         raise ValueError(
             f"file path {relpath!r:.300} must be relative, of plain names (no '.', '..', empty "
@@ -993,28 +994,27 @@ class Source(abc.ABC):
 
     def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
         """Fill `buffers` in order from the file; the bytes read (at most their total + 1)."""
-        total = sum(b.nbytes for b in buffers)
-        data = np.frombuffer(self.read(relpath, total), np.uint8)
-        offset = 0
-        for buffer in buffers:
-            n = min(buffer.nbytes, data.size - offset)
-            # np.copyto releases the GIL (a memoryview slice assignment does not): reads of
-            # several chunks at once copy in parallel.
-            np.copyto(np.frombuffer(buffer, np.uint8, n), data[offset : offset + n])
-            offset += n
-        return int(data.size)
+        data = self.read(relpath, sum(b.nbytes for b in buffers))
+        _scatter(data, buffers)
+        return len(data)
 
-    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
-        """Fill `buffer` from the file (of `size` bytes, as the manifest says) at `offset`; the
-        bytes read. This default reads the whole file; sources that can read a range do."""
-        data = memoryview(self.read(relpath, size))
+    def read_at(self, relpath: str, size: int, offset: int, nbytes: int) -> bytes:
+        """`nbytes` bytes of the file (of `size` bytes, as the manifest says) from `offset`, or
+        fewer where it ends before. This default reads the whole file; sources that can read a
+        range do."""
+        data = self.read(relpath, size)
         if len(data) != size:
             raise CorruptCheckpointError(
                 f"{self.describe(relpath)} has {len(data)} bytes, the manifest says {size}"
             )
-        part = data[offset : offset + buffer.nbytes]
-        np.copyto(np.frombuffer(buffer, np.uint8, part.nbytes), np.frombuffer(part, np.uint8))
-        return part.nbytes
+        return data[offset : offset + nbytes]
+
+    def readinto_at(
+        self, relpath: str, size: int, offset: int, buffers: Sequence[memoryview]
+    ) -> int:
+        """Fill `buffers` in order from the file (of `size` bytes) at `offset`; the bytes read."""
+        data = self.read_at(relpath, size, offset, sum(b.nbytes for b in buffers))
+        return _scatter(data, buffers)
 
     @abc.abstractmethod
     def local_directory(self, relpaths: Sequence[str]) -> Path:
@@ -1126,18 +1126,37 @@ class LocalSource(Source):
         finally:
             os.close(fd)
 
-    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
+    def readinto_at(
+        self, relpath: str, size: int, offset: int, buffers: Sequence[memoryview]
+    ) -> int:
         fd = self.open(relpath, size)  # checked on the descriptor: what is read is what is checked
         try:
-            view, total = memoryview(buffer).cast("B"), 0
-            while total < view.nbytes:
-                n = os.preadv(fd, [view[total:]], offset + total)
+            views, total = [memoryview(b).cast("B") for b in buffers], 0
+            while views:
+                n = os.preadv(fd, views[:_IOV_MAX], offset + total)
                 if n == 0:
                     break
                 total += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
             return total
         finally:
             os.close(fd)
+
+
+def _scatter(data: bytes | memoryview, buffers: Sequence[memoryview]) -> int:
+    """Copy `data` into `buffers` in order, as far as it goes; the bytes copied."""
+    flat, at = np.frombuffer(data, np.uint8), 0
+    for buffer in buffers:
+        n = min(memoryview(buffer).nbytes, flat.size - at)
+        # np.copyto releases the GIL (a memoryview slice assignment does not): reads of
+        # several chunks at once copy in parallel.
+        np.copyto(np.frombuffer(buffer, np.uint8, n), flat[at : at + n])
+        at += n
+    return at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1154,8 +1173,8 @@ class StoredItem:
     files: Mapping[str, FileRecord]
     step: int | None = None
     name: str = ""
-    _checked: list[bool] = dataclasses.field(
-        default_factory=list, init=False, repr=False, compare=False
+    _checked: set[str] = dataclasses.field(  # the prefixes `check_files` has checked
+        default_factory=set, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
@@ -1203,7 +1222,7 @@ class StoredItem:
         from inside its own directory only. A no-op where sizes cost a request each (object
         stores): there every read checks size and content anyway.
         """
-        if not self.source.cheap_size or self._checked:
+        if not self.source.cheap_size or "" in self._checked or prefix in self._checked:
             return
         names = self._sorted_names
         for relpath in names[bisect.bisect_left(names, prefix) :]:
@@ -1216,8 +1235,7 @@ class StoredItem:
                 raise CorruptCheckpointError(
                     f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
                 )
-        if not prefix:
-            self._checked.append(True)  # a leaf's check after the item's is not done again
+        self._checked.add(prefix)  # not done again for the next leaf, nor after the item's
 
     @functools.cached_property
     def _sorted_names(self) -> list[str]:
@@ -1263,18 +1281,21 @@ class StoredItem:
         record.check(data, self.describe_file(relpath))
         checked[key] = record.xxh3_128
 
-    def read_range(self, relpath: str, offset: int, buffer: memoryview) -> None:
-        """Read `buffer.nbytes` bytes of a recorded file from `offset` (a range that the
-        manifest's size for the file must hold); the caller checks the content."""
+    def read_range(
+        self, relpath: str, offset: int, buffers: memoryview | Sequence[memoryview]
+    ) -> None:
+        """Fill `buffers` (one, or several in order) from byte `offset` of a recorded file (a
+        range that the manifest's size for the file must hold); the caller checks the content."""
+        views = [buffers] if isinstance(buffers, memoryview) else list(buffers)
         record = self._record(relpath)
-        nbytes = memoryview(buffer).nbytes
+        nbytes = sum(v.nbytes for v in views)
         if offset < 0 or offset + nbytes > record.size:
             raise CorruptCheckpointError(
                 f"{self.describe_file(relpath)}: bytes {offset}..{offset + nbytes} are outside "
                 f"its {record.size} bytes"
             )
         with self._reading(relpath):
-            got = self.source.readinto_at(relpath, record.size, offset, buffer)
+            got = self.source.readinto_at(relpath, record.size, offset, views)
         if got != nbytes:
             raise CorruptCheckpointError(
                 f"{self.describe_file(relpath)} ends before byte {offset + nbytes}"

@@ -27,7 +27,7 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -279,10 +279,56 @@ def _entry(stored: StoredItem, where: str, vpath: str, entry: Any) -> Packed:
     return Packed(record, offset, nbytes, digest)
 
 
-def read_chunk(stored: StoredItem, packed: Packed, dest: memoryview, describe: str) -> None:
-    """Read one chunk into `dest` and check its content hash."""
-    stored.read_range(packed.pack, packed.offset, dest)
-    if xxhash.xxh3_128_hexdigest(dest) != packed.xxh3_128:
-        raise CorruptCheckpointError(
-            f"{describe} is not the chunk the index records (its content hash differs)"
-        )
+def read_chunks(
+    stored: StoredItem, parts: Sequence[tuple[Packed, memoryview, Callable[[], str]]]
+) -> None:
+    """Read chunks of one pack, in the order of their offsets (`runs` makes such lists), into
+    their buffers with one read, and check each against its content hash; CorruptCheckpointError
+    naming the chunk (what the function beside it says) otherwise. The bytes between two chunks (a
+    chunk's alignment) are read into a scratch buffer."""
+    buffers: list[memoryview] = []
+    at = parts[0][0].offset
+    for packed, dest, _ in parts:
+        if packed.offset < at:
+            raise ValueError(f"chunks overlap or are out of order at byte {packed.offset}")
+        if packed.offset > at:
+            buffers.append(memoryview(bytearray(packed.offset - at)))
+        buffers.append(dest)
+        at = packed.offset + packed.nbytes
+    stored.read_range(parts[0][0].pack, parts[0][0].offset, buffers)
+    for packed, dest, describe in parts:
+        digest = xxhash.xxh3_128()
+        _update(digest, dest, hold=packed.nbytes <= _HOLD_GIL_UP_TO)
+        if digest.hexdigest() != packed.xxh3_128:
+            raise CorruptCheckpointError(
+                f"{describe()} is not the chunk the index records (its content hash differs)"
+            )
+
+
+_RUN_BYTES = 4 * _MiB  # the most one read of several chunks takes (`runs`)
+_RUN_GAP = 64 << 10  # the most bytes between two chunks that one read skips over
+
+
+def runs(parts: Sequence[tuple[Packed, Any]]) -> list[list[tuple[Packed, Any]]]:
+    """`parts` (a chunk and whatever goes with it) as lists that `read_chunks` reads at once:
+    chunks of one pack in the order of their offsets, each list at most `_RUN_BYTES` (or a
+    single larger chunk) with at most `_RUN_GAP` bytes between two of its chunks. A restore of
+    many small leaves then makes a few reads, not one (and an open, and a request on an object
+    store) per chunk."""
+    out: list[list[tuple[Packed, Any]]] = []
+    end = size = 0
+    for part in sorted(parts, key=lambda p: (p[0].pack, p[0].offset)):
+        packed = part[0]
+        if (
+            out
+            and out[-1][0][0].pack == packed.pack
+            and 0 <= packed.offset - end <= _RUN_GAP
+            and size + packed.offset - end + packed.nbytes <= _RUN_BYTES
+        ):
+            out[-1].append(part)
+            size += packed.offset - end + packed.nbytes
+        else:
+            out.append([part])
+            size = packed.nbytes
+        end = packed.offset + packed.nbytes
+    return out

@@ -58,7 +58,8 @@ from cairn.handlers._packs import (
     write_pack,
 )
 from cairn.handlers._packs import _Pack as Pack
-from cairn.handlers._packs import read_chunk as read_packed_chunk
+from cairn.handlers._packs import read_chunks as read_packed_chunks
+from cairn.handlers._packs import runs as packed_runs
 from cairn.handlers._staging import Lease, Slab, StagingPool, current_staging, round_up
 from cairn.handlers._tree import (
     NONE,
@@ -1312,20 +1313,26 @@ class _LeafReader:
         self.stored.check_files("packs/")  # present, regular, not links, at those sizes
         self._checked = True
 
-    def read(self, index: tuple[slice, ...] = ()) -> _Read:
-        """A future of the data in `index` (whole leaf by default), as np.ndarray."""
+    def read(self, index: tuple[slice, ...] = (), batch: _Batch | None = None) -> _Read:
+        """A future of the data in `index` (whole leaf by default), as np.ndarray; with `batch`,
+        the chunks it can read with others wait for ``batch.start()``."""
         self.check()
         region = index or tuple(slice(0, n) for n in self.shape)
-        return _Read(self, region)
+        return _Read(self, region, batch)
+
+    def vpath(self, coords: tuple[int, ...]) -> str:
+        """The chunk at grid `coords`: its file (zarr layout) or its index entry (packed)."""
+        return f"{self.node['f']}/{'.'.join(map(str, coords)) or '0'}"
 
     def read_chunk(self, coords: tuple[int, ...], dest: np.ndarray) -> None:
         """Read the chunk at grid `coords` into `dest` (C-contiguous, the chunk's full shape) and
         check it against the manifest; CorruptCheckpointError naming the file otherwise."""
-        relpath = f"{self.node['f']}/{'.'.join(map(str, coords)) or '0'}"
+        relpath = self.vpath(coords)
         data = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         if self.index is not None:
             where = self.index[relpath]
-            read_packed_chunk(self.stored, where, data, self.describe_chunk(relpath, where.pack))
+            describe = functools.partial(self.describe_chunk, relpath, where.pack)
+            read_packed_chunks(self.stored, [(where, data, describe)])
             return
         record = self.stored.files[relpath]
         tail = bytearray(4)
@@ -1359,24 +1366,32 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 
 
 class _Read:
-    """One region of a leaf being read on the read pool, a chunk per task."""
+    """One region of a leaf being read on the read pool: a chunk per task, or with a `_Batch`,
+    the chunks of the packed layout that land whole in the result in the batch's reads."""
 
-    def __init__(self, reader: _LeafReader, region: tuple[slice, ...]) -> None:
+    def __init__(
+        self, reader: _LeafReader, region: tuple[slice, ...], batch: _Batch | None
+    ) -> None:
         self._reader = reader
         self._region = region
         self._out = _aligned_empty(tuple(sl.stop - sl.start for sl in region), reader.dtype)
+        self._futures: list[concurrent.futures.Future[None]] = []
         if not self._out.size:
-            self._futures: list[concurrent.futures.Future[None]] = []
             return
         spans = [
             range(sl.start // c, -(-sl.stop // c))
             for sl, c in zip(region, reader.chunk, strict=True)
         ]
-        self._futures = [
-            _read_pool().submit(self._one, coords) for coords in itertools.product(*spans)
-        ]
+        for coords in itertools.product(*spans):
+            dest, inner = self._place(coords)
+            if batch is not None and reader.index is not None and inner is None:
+                batch.add(self, coords, dest)
+            else:
+                self._futures.append(_read_pool().submit(self._one, coords))
 
-    def _one(self, coords: tuple[int, ...]) -> None:
+    def _place(self, coords: tuple[int, ...]) -> tuple[np.ndarray, tuple[slice, ...] | None]:
+        """Where the chunk at `coords` goes in the result, and which part of it goes there (None:
+        all of it, a C-contiguous destination it is read into straight)."""
         reader, region = self._reader, self._region
         lo = [k * c for k, c in zip(coords, reader.chunk, strict=True)]
         # The overlap of this chunk with the region, in chunk and in output coordinates.
@@ -1390,7 +1405,12 @@ class _Read:
         )
         whole = all(i.start == 0 and i.stop == c for i, c in zip(inner, reader.chunk, strict=True))
         dest = self._out[outer] if reader.shape else self._out.reshape(1)
-        if whole and dest.flags.c_contiguous:
+        return dest, None if whole and dest.flags.c_contiguous else inner
+
+    def _one(self, coords: tuple[int, ...]) -> None:
+        reader = self._reader
+        dest, inner = self._place(coords)
+        if inner is None:
             reader.read_chunk(coords, dest)  # straight into the result
             return
         buffer = np.empty(reader.chunk, reader.dtype)
@@ -1401,6 +1421,38 @@ class _Read:
         for future in self._futures:
             future.result()
         return self._out
+
+
+class _Batch:
+    """Chunks of the packed layout that reads of one restore want whole, read together: the
+    chunks of a pack that lie close are read with one call, then checked one by one
+    (`packed_runs`). A restore of a state of many small leaves then costs a few reads, not a
+    task, an open and a read (a request, on an object store) per chunk.
+
+    Filled on the calling thread, then `start`ed once: a `_Read` of the batch waits for the
+    reads of the runs that hold its chunks."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[Packed, tuple[_Read, memoryview, Callable[[], str]]]] = []
+
+    def add(self, read: _Read, coords: tuple[int, ...], dest: np.ndarray) -> None:
+        reader = read._reader
+        assert reader.index is not None
+        vpath = reader.vpath(coords)
+        packed = reader.index[vpath]
+        view = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        describe = functools.partial(reader.describe_chunk, vpath, packed.pack)
+        self._parts.append((packed, (read, view, describe)))
+
+    def start(self) -> None:
+        for run in packed_runs(self._parts):
+            stored = run[0][1][0]._reader.stored
+            future = _read_pool().submit(
+                read_packed_chunks, stored, [(p, view, what) for p, (_, view, what) in run]
+            )
+            for read in {id(r): r for _, (r, _, _) in run}.values():
+                read._futures.append(future)
+        self._parts = []
 
 
 class _Scalar:
@@ -1452,8 +1504,9 @@ def _child(target: Any, key: str | int) -> Any:
 
 
 def _materialize(state: Any, target: Any) -> Any:
-    """Read every lazy leaf: check every leaf's metadata first, then start all reads (the read
-    pool runs both in parallel: on an object store each check is a request), then wait."""
+    """Read every lazy leaf: check every leaf's metadata first, then start all reads, then wait.
+    The checks run on the read pool where each is a request (the zarr layout's ``zarr.json`` on
+    an object store), on this thread otherwise: a task each would cost more than the check."""
     readers: list[_LeafReader] = []
     _map_with_target(
         state,
@@ -1462,16 +1515,23 @@ def _materialize(state: Any, target: Any) -> Any:
             leaf._reader if isinstance(leaf, LazyArray) else leaf.reader
         ),
     )
-    for _ in _read_pool().map(_LeafReader.check, readers):
+    remote = [r for r in readers if r.index is None and not r.stored.source.cheap_size]
+    for reader in readers:
+        if reader.index is not None or reader.stored.source.cheap_size:
+            reader.check()
+    for _ in _read_pool().map(_LeafReader.check, remote):
         pass
-    started = _map_with_target(state, target, _start_read)
+    batch = _Batch()
+    started = _map_with_target(state, target, lambda leaf, t: _start_read(leaf, t, batch))
+    batch.start()
     return _map_with_target(started, None, lambda finish, _: finish(), is_leaf=callable)
 
 
-def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
-    """Start reading `leaf` for `target` now; the returned function waits and assembles."""
+def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
+    """Start reading `leaf` for `target` (or add its chunks to `batch`); the returned function
+    waits and assembles."""
     if isinstance(leaf, _Scalar):
-        future = leaf.reader.read()
+        future = leaf.reader.read(batch=batch)
         return lambda: future.result().astype(leaf.dtype, copy=False)[()]
     reader, dtype = leaf._reader, leaf.dtype
     sharding = getattr(target, "sharding", None)
@@ -1480,7 +1540,7 @@ def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
 
         index_map = sharding.addressable_devices_indices_map(reader.shape)
         futures = {
-            d: reader.read(_full_index(idx, reader.shape) if idx else ())
+            d: reader.read(_full_index(idx, reader.shape) if idx else (), batch)
             for d, idx in index_map.items()
         }
 
@@ -1491,7 +1551,7 @@ def _start_read(leaf: Any, target: Any) -> Callable[[], Any]:
             return jax.make_array_from_single_device_arrays(reader.shape, sharding, arrays)
 
         return assemble
-    future = reader.read()
+    future = reader.read(batch=batch)
     jax_module = sys.modules.get("jax")
     if target is None:
         as_jax = reader.node.get("kind") == "jax"

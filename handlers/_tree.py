@@ -144,63 +144,68 @@ def check_tree(tree: Any) -> None:
     todo: list[tuple[Any, KeyPath]] = [(tree, ())]
     while todo:
         node, path = todo.pop()
-        where = keystr(path)
-        if len(path) > MAX_DEPTH:
-            raise ValueError(f"at {where}: nested deeper than {MAX_DEPTH} levels")
-        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
-            raise TypeError(f"at {where}: a node must be an object with a type 't'")
-        t = node["t"]
-        if t in ("dict", "namedtuple", "custom"):
-            keys, children = node.get("k"), node.get("c")
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"at {where}: 'k' must be a list of str")
-            if not isinstance(children, list) or len(children) != len(keys):
-                raise TypeError(f"at {where}: 'c' must be a list as long as 'k'")
-            if len(set(keys)) != len(keys):
-                raise ValueError(f"at {where}: a key appears twice")
-            todo += [(c, (*path, k)) for k, c in zip(keys, children, strict=True)]
-        elif t in ("list", "tuple"):
-            children = node.get("c")
-            if not isinstance(children, list):
-                raise TypeError(f"at {where}: 'c' must be a list")
-            todo += [(c, (*path, i)) for i, c in enumerate(children)]
-        elif t in _SCALAR_TYPES:
-            v = node.get("v")
-            if not isinstance(v, _SCALAR_TYPES[t]) or (t != "bool" and isinstance(v, bool)):
-                raise TypeError(f"at {where}: a {t} node holds {v!r:.40}")
-        elif t == "complex":
-            v = node.get("v")
-            if not (
-                isinstance(v, list)
-                and len(v) == 2
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-            ):
-                raise TypeError(f"at {where}: a complex node holds {v!r:.40}")
-        elif t in ("array", "npscalar"):
-            _check_array_node(node, where, files)
-        elif t != "none":
-            raise ValueError(f"at {where}: unknown node type {t!r:.40}")
+        try:
+            _check_node(node, path, files, todo)
+        except (TypeError, ValueError) as e:  # the key path is spelled out only for a message
+            raise type(e)(f"at {keystr(path)}: {e}") from None
 
 
-def _check_array_node(node: dict[str, Any], where: str, files: set[str]) -> None:
+def _check_node(node: Any, path: KeyPath, files: set[str], todo: list[tuple[Any, KeyPath]]) -> None:
+    """One node of `check_tree`; its children go to `todo`."""
+    if len(path) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+        raise TypeError("a node must be an object with a type 't'")
+    t = node["t"]
+    if t in ("dict", "namedtuple", "custom"):
+        keys, children = node.get("k"), node.get("c")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise TypeError("'k' must be a list of str")
+        if not isinstance(children, list) or len(children) != len(keys):
+            raise TypeError("'c' must be a list as long as 'k'")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice")
+        todo += [(c, (*path, k)) for k, c in zip(keys, children, strict=True)]
+    elif t in ("list", "tuple"):
+        children = node.get("c")
+        if not isinstance(children, list):
+            raise TypeError("'c' must be a list")
+        todo += [(c, (*path, i)) for i, c in enumerate(children)]
+    elif t in _SCALAR_TYPES:
+        v = node.get("v")
+        if not isinstance(v, _SCALAR_TYPES[t]) or (t != "bool" and isinstance(v, bool)):
+            raise TypeError(f"a {t} node holds {v!r:.40}")
+    elif t == "complex":
+        v = node.get("v")
+        if not (
+            isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        ):
+            raise TypeError(f"a complex node holds {v!r:.40}")
+    elif t in ("array", "npscalar"):
+        _check_array_node(node, files)
+    elif t != "none":
+        raise ValueError(f"unknown node type {t!r:.40}")
+
+
+def _check_array_node(node: dict[str, Any], files: set[str]) -> None:
     f, shape = node.get("f"), node.get("shape")
     if not isinstance(f, str) or f in files:
-        raise ValueError(f"at {where}: leaf file {f!r:.80} is missing or used twice")
+        raise ValueError(f"leaf file {f!r:.80} is missing or used twice")
     check_relative(f)
     files.add(f)
     if not _int_list(shape, 0) or len(shape) > MAX_RANK:
-        raise ValueError(f"at {where}: shape {shape!r:.80} is not a list of ints >= 0")
+        raise ValueError(f"shape {shape!r:.80} is not a list of ints >= 0")
     if node["t"] == "npscalar" and shape:
-        raise ValueError(f"at {where}: a NumPy scalar has shape {shape!r:.80}")
+        raise ValueError(f"a NumPy scalar has shape {shape!r:.80}")
     for key in ("dtype", "saved_from"):
         if key in node or key == "dtype":
-            check_dtype_name(node.get(key), f"at {where}: {key}")
+            check_dtype_name(node.get(key), key)
     if "chunk" in node:
         chunk = node["chunk"]
         if not _int_list(chunk, 1) or len(chunk) != len(shape):
-            raise ValueError(
-                f"at {where}: chunk {chunk!r:.80} is not a list of ints >= 1 of rank {len(shape)}"
-            )
+            raise ValueError(f"chunk {chunk!r:.80} is not a list of ints >= 1 of rank {len(shape)}")
 
 
 def _int_list(value: Any, least: int) -> TypeGuard[list[int]]:

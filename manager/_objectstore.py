@@ -904,19 +904,11 @@ class _KvSource(Source):
         return len(data)
 
     def read(self, relpath: str, size: int) -> bytes:
-        return self._ranged(relpath, size, 0, size)
+        return self.read_at(relpath, size, 0, size)
 
-    def readinto_at(self, relpath: str, size: int, offset: int, buffer: memoryview) -> int:
-        """One ranged GET of the bytes `buffer` takes (the object's size is not checked: the
-        caller checks the content's hash)."""
-        view = memoryview(buffer).cast("B")
-        data = self._ranged(relpath, size, offset, view.nbytes)
-        n = min(len(data), view.nbytes)
-        view[:n] = memoryview(data)[:n]
-        return n
-
-    def _ranged(self, relpath: str, size: int, offset: int, nbytes: int) -> bytes:
-        """`nbytes` of an object of `size` bytes (the manifest's) from `offset`: one GET."""
+    def read_at(self, relpath: str, size: int, offset: int, nbytes: int) -> bytes:
+        """`nbytes` of an object of `size` bytes (the manifest's) from `offset`: one ranged GET
+        (the object's size is not checked: the caller checks the content's hash)."""
         try:
             data = self._storage.store.read_prefix(self._prefix + relpath, nbytes, offset)
         except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
