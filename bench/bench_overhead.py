@@ -503,7 +503,7 @@ def run_size(
     # Memory held between saves, each system alone (its pool, its caches), measured on a second
     # manager: the first of a process also holds what any first use costs (imports, thread
     # arenas: about 1.3 MiB for cairn, with or without a pool), which is not the steady state.
-    for name in systems:
+    for name in systems if reps else []:  # --reps 0: commit, restore and the limits only
         for attempt in ("warm-up", "measured"):
             clean()
             before = sampler.rss()
@@ -551,7 +551,7 @@ def run_size(
     state = [tree]
     del tree
     clean()
-    for kind in STEPS:
+    for kind in STEPS if reps else []:
         trainer = trainer_for(kind, label, state, tokens)
         for _ in range(3):
             trainer.step()
@@ -663,7 +663,7 @@ def targets(
     if system == "limits":
         memcpy = entry["rounds"]["limit.memcpy"]["median"]
         for kind in STEPS:
-            if (floor := entry["windows"][kind].get(FLOOR_WRITER)) is None:
+            if (floor := entry["windows"].get(kind, {}).get(FLOOR_WRITER)) is None:
                 continue
             first = floor["first_step_extra_s"]["median"]
             rows.append(
@@ -690,7 +690,7 @@ def targets(
     w = entry["windows"]
     memcpy = entry["rounds"]["limit.memcpy"]["median"]
     for kind in STEPS:
-        if "orbax" not in w[kind] or system not in w[kind]:
+        if "orbax" not in w.get(kind, {}) or system not in w[kind]:
             continue
         ours = w[kind][system]["lost_s"]["median"]
         theirs = w[kind]["orbax"]["lost_s"]["median"]
@@ -794,7 +794,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"**{label}** ({entry['tree']['bytes'] / MiB:.0f} MiB, {entry['tree']['leaves']} leaves), median (min{D}max):",
             "",
         ]
-        for kind in STEPS:
+        for kind in (k for k in STEPS if k in entry["windows"]):
             columns = [s for s in [*systems, FLOOR_WRITER] if s in entry["windows"][kind]]
             lines.append(f"| {kind} step | " + " | ".join(columns) + " |")
             lines.append("|---|" + "---:|" * len(columns))
@@ -846,7 +846,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=5, help="commit/restore rounds (default 5)")
     parser.add_argument(
-        "--reps", type=int, default=5, help="save windows per system and step (default 5)"
+        "--reps",
+        type=int,
+        default=5,
+        help="save windows per system and step (default 5; 0: no training windows and no "
+        "memory phase, only the commit, restore and limits rounds)",
     )
     parser.add_argument("--baseline-s", type=float, default=2.0)
     parser.add_argument("--tokens", type=int, default=32)
