@@ -3,6 +3,7 @@ pack files, found through per-process index files, each chunk checked by its own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -646,3 +647,33 @@ def test_on_s3_a_run_of_small_leaves_is_one_ranged_get(
     assert_tree_equal(host(got), host(state))
     index_gets = [r for r in pack_gets if "/packs/index." in r.path]
     assert len(pack_gets) - len(index_gets) == 2, pack_gets
+
+
+def test_a_run_reads_over_the_gaps_between_its_chunks_and_checks_each(tmp_path: Path) -> None:
+    """Chunks with alignment bytes between them are one read (the gaps go to scratch), each
+    filled with its own bytes and checked by its own hash; a wrong one is named."""
+    from cairn.handlers._files import FileRecord, StoredItem
+
+    data = np.random.default_rng(0).integers(0, 256, 10_000, np.uint8).tobytes()
+    (tmp_path / "packs").mkdir()
+    (tmp_path / "packs/p").write_bytes(data)
+    record = FileRecord("packs/p", len(data))
+    stored = StoredItem(tmp_path, {"packs/p": record})
+    spans = [(0, 100), (128, 1000), (1152, 7), (9000, 1000)]  # gaps of 28, 24 and 7841 bytes
+    chunks = [
+        packs_impl.Packed(record, at, n, xxhash.xxh3_128_hexdigest(data[at : at + n]))
+        for at, n in spans
+    ]
+    runs = packs_impl.runs([(c, k) for k, c in enumerate(chunks)])
+    assert [[k for _, k in run] for run in runs] == [[0, 1, 2, 3]]  # 7841 <= _RUN_GAP
+    outs = [bytearray(n) for _, n in spans]
+    parts = [
+        (c, memoryview(o), lambda k=k: f"chunk {k}")
+        for k, (c, o) in enumerate(zip(chunks, outs, strict=True))
+    ]
+    packs_impl.read_chunks(stored, parts)
+    assert [bytes(o) for o in outs] == [data[at : at + n] for at, n in spans]
+    wrong = dataclasses.replace(chunks[2], xxh3_128="0" * 32)
+    parts[2] = (wrong, parts[2][1], parts[2][2])
+    with pytest.raises(CorruptCheckpointError, match="chunk 2 is not the chunk the index records"):
+        packs_impl.read_chunks(stored, parts)
