@@ -1433,7 +1433,10 @@ class _Batch:
     reads of the runs that hold its chunks."""
 
     def __init__(self) -> None:
-        self._parts: list[tuple[Packed, tuple[_Read, memoryview, Callable[[], str]]]] = []
+        # Per item read (one, from `_materialize`): its chunks, and what goes with each.
+        self._parts: dict[
+            int, list[tuple[Packed, tuple[_Read, memoryview, Callable[[], str]]]]
+        ] = {}
 
     def add(self, read: _Read, coords: tuple[int, ...], dest: np.ndarray) -> None:
         reader = read._reader
@@ -1442,17 +1445,18 @@ class _Batch:
         packed = reader.index[vpath]
         view = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         describe = functools.partial(reader.describe_chunk, vpath, packed.pack)
-        self._parts.append((packed, (read, view, describe)))
+        self._parts.setdefault(id(reader.stored), []).append((packed, (read, view, describe)))
 
     def start(self) -> None:
-        for run in packed_runs(self._parts):
-            stored = run[0][1][0]._reader.stored
-            future = _read_pool().submit(
-                read_packed_chunks, stored, [(p, view, what) for p, (_, view, what) in run]
-            )
-            for read in {id(r): r for _, (r, _, _) in run}.values():
-                read._futures.append(future)
-        self._parts = []
+        for parts in self._parts.values():
+            stored = parts[0][1][0]._reader.stored
+            for run in packed_runs(parts):
+                future = _read_pool().submit(
+                    read_packed_chunks, stored, [(p, view, what) for p, (_, view, what) in run]
+                )
+                for read in {id(r): r for _, (r, _, _) in run}.values():
+                    read._futures.append(future)
+        self._parts = {}
 
 
 class _Scalar:
