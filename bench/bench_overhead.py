@@ -42,6 +42,7 @@ in docs/benchmarks.md). Results: bench/results/overhead[-LABEL].json, rich table
     .venv/bin/python bench/bench_overhead.py                 # 256M and 1G, ~12 min here
     .venv/bin/python bench/bench_overhead.py --quick         # smoke run: 16M
     .venv/bin/python bench/bench_overhead.py --markdown      # the JSON as Markdown tables
+    .venv/bin/python bench/bench_overhead.py --across a,b    # the targets over runs a and b
     .venv/bin/python bench/bench_overhead.py --plot          # redraw the PNG
 """
 
@@ -75,6 +76,7 @@ from _common import (  # sets the environment jax reads at import: before jax
     load_average,
     machine_facts,
     now,
+    parse_size,
     quiet_logs,
     run_in_child,
     spread,
@@ -786,6 +788,34 @@ def cell(s: dict[str, Any] | None, scale: float = 1e3, unit: str = "ms") -> str:
     return f"{s['median']:.0f} ({s['min']:.0f}{D}{s['max']:.0f})"
 
 
+def across(labels: list[str]) -> str:
+    """The targets over several runs (``overhead-LABEL.json`` each), as Markdown: per target
+    and size, the median of the runs' medians, their range, and in how many runs it was met."""
+    per: dict[tuple[str, str], list[tuple[float, bool | None]]] = {}
+    for label in labels:
+        result = json.loads((RESULTS / f"overhead-{label}.json").read_text())
+        for size, entry in result["sizes"].items():
+            for what, _, ratio, met in targets(entry):
+                per.setdefault((what, size), []).append((ratio, met))
+    sizes = sorted({size for _, size in per}, key=parse_size)
+    lines = [f"| target | {' | '.join(sizes)} |", "|---|" + "---|" * len(sizes)]
+    for what in dict.fromkeys(w for w, _ in per):
+        cells = []
+        for size in sizes:
+            got = per.get((what, size), [])
+            ratios = [r for r, _ in got]
+            met = [m for _, m in got if m is not None]
+            n = 4 if what.startswith("memory") else 2
+            text = (
+                f"{statistics.median(ratios):.{n}f}{X} ({min(ratios):.{n}f}{D}{max(ratios):.{n}f})"
+                if got
+                else ""
+            )
+            cells.append(text + (f", {sum(met)} of {len(got)} runs" if met else ""))
+        lines.append(f"| {what} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = []
     for label, entry in result["sizes"].items():
@@ -857,6 +887,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="names the result file: overhead-LABEL.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16M, 2 rounds, 2 windows")
     parser.add_argument("--markdown", action="store_true", help="print the JSON as Markdown")
+    parser.add_argument(
+        "--across",
+        default="",
+        help="comma-separated labels: the targets over those runs' JSON, as Markdown",
+    )
     parser.add_argument("--plot", action="store_true", help="redraw docs/benchmarks_overhead.png")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
@@ -865,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or RESULTS / f"{name}.json"
     if args.markdown:
         print(markdown(json.loads(json_path.read_text())))
+        return 0
+    if args.across:
+        print(across([s.strip() for s in args.across.split(",") if s.strip()]))
         return 0
     if args.plot:
         import plot
