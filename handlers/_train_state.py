@@ -1519,9 +1519,11 @@ def _materialize(state: Any, target: Any) -> Any:
             leaf._reader if isinstance(leaf, LazyArray) else leaf.reader
         ),
     )
-    remote = [r for r in readers if r.index is None and not r.stored.source.cheap_size]
+    remote = []
     for reader in readers:
-        if reader.index is not None or reader.stored.source.cheap_size:
+        if reader.index is None and not reader.stored.source.cheap_size:
+            remote.append(reader)
+        else:
             reader.check()
     for _ in _read_pool().map(_LeafReader.check, remote):
         pass
