@@ -68,6 +68,9 @@ CONTENT_HASH = "xxh3_128"
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 
 
+NOT_THE_CHUNK = "is not the chunk the index records (its content hash differs)"
+
+
 def content_hash(data: bytes | bytearray | memoryview) -> str:
     """The 128-bit content hash a format-2 file record carries: XXH3-128, 32 lowercase hex digits."""
     return xxhash.xxh3_128_hexdigest(data)
@@ -1259,27 +1262,58 @@ class StoredItem:
         record.check(data, self.describe_file(relpath))
         return data
 
-    def check_file(self, relpath: str, checked: dict[tuple[int, ...], str] | None = None) -> None:
+    def check_file(
+        self,
+        relpath: str,
+        checked: dict[tuple[int, ...], str] | None = None,
+        parts: Sequence[tuple[str, int, int, str]] = (),
+    ) -> list[str]:
         """Read a recorded file and check it against its record (CorruptCheckpointError naming
         it). `checked`, a dict kept across calls, lets a local file that several steps share (an
         incremental save's hard link) be read once: a file found intact is noted there by the
         device, inode, size and mtime of the descriptor read, and the same unchanged inode
-        recorded with the same content hash is not read again."""
+        recorded with the same content hash is not read again.
+
+        `parts` are ranges of the file that must hold content of their own, (name, offset,
+        bytes, XXH3-128): the chunks a pack's index places in it, checked on the same read (and
+        noted in `checked` alike). Those that do not hold are returned, each named."""
         record = self._record(relpath)
+        key: tuple[int, ...] | None = None
         if checked is None or record.xxh3_128 is None or not isinstance(self.source, LocalSource):
-            self.read_bytes(relpath)
-            return
-        with self._reading(relpath):
-            fd = self.source.open(relpath, record.size)
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-            if checked.get(key) == record.xxh3_128:
-                return
+            data = self.read_bytes(relpath)
+        else:
             with self._reading(relpath):
-                data = f.read(record.size + 1)
-        record.check(data, self.describe_file(relpath))
-        checked[key] = record.xxh3_128
+                fd = self.source.open(relpath, record.size)
+            with os.fdopen(fd, "rb") as f:
+                info = os.fstat(fd)
+                key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+                known = checked.get(key) == record.xxh3_128
+                if known and all(checked.get((*key, p[1], p[2])) == p[3] for p in parts):
+                    return []
+                with self._reading(relpath):
+                    data = f.read(record.size + 1)
+            if not known:
+                record.check(data, self.describe_file(relpath))
+            checked[key] = record.xxh3_128
+        problems = []
+        view = memoryview(data)
+        for name, offset, nbytes, digest in parts:
+            if (
+                offset + nbytes > len(data)
+                or content_hash(view[offset : offset + nbytes]) != digest
+            ):
+                problems.append(self.chunk_problem(relpath, name, offset, nbytes))
+            elif checked is not None and key is not None:
+                checked[(*key, offset, nbytes)] = digest
+        return problems
+
+    def chunk_problem(self, relpath: str, name: str, offset: int, nbytes: int) -> str:
+        """What `check_file` and the packed layout's checks say of a chunk `name` that bytes
+        `offset`..`offset + nbytes` of the pack `relpath` do not hold."""
+        return (
+            f"{self.describe_file(relpath)}, chunk {name} (bytes {offset}..{offset + nbytes}) "
+            f"{NOT_THE_CHUNK}"
+        )
 
     def read_range(
         self, relpath: str, offset: int, buffers: memoryview | Sequence[memoryview]

@@ -47,7 +47,7 @@ __all__ = [
     "has_state_methods",
 ]
 
-_PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.")
+_PROCESS_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.")
 
 
 def _type_names(obj: Any) -> set[str]:

@@ -22,6 +22,7 @@ pool on disk), and an incremental save links whole packs of the previous step.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from cairn.handlers._files import Destination, FileRecord, StoredItem, parse_json
+from cairn.handlers._files import NOT_THE_CHUNK, Destination, FileRecord, StoredItem, parse_json
 from cairn.handlers._staging import PAGE, round_up
 from cairn.handlers.errors import CorruptCheckpointError
 
@@ -257,6 +258,20 @@ def load_index(stored: StoredItem, process: int | None = None) -> dict[str, Pack
     return out
 
 
+def chunks_by_pack(stored: StoredItem) -> dict[str, list[tuple[str, int, int, str]]]:
+    """For ``verify``: each pack of a packed item and the chunks its indexes place in it, as
+    `StoredItem.check_file` takes them (vpath, offset, bytes, XXH3-128; in offset order); {}
+    for an item of another layout. CorruptCheckpointError where an index does not load
+    (`load_index`)."""
+    out: dict[str, list[tuple[str, int, int, str]]] = {}
+    if is_packed(stored):
+        for vpath, p in load_index(stored).items():
+            out.setdefault(p.pack, []).append((vpath, p.offset, p.nbytes, p.xxh3_128))
+    for chunks in out.values():
+        chunks.sort(key=lambda c: c[1])
+    return out
+
+
 def _entry(stored: StoredItem, where: str, vpath: str, entry: Any) -> Packed:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: chunk {vpath!r}: {why}")
@@ -286,9 +301,17 @@ def read_chunks(
     their buffers with one read, and check each against its content hash; CorruptCheckpointError
     naming the chunk (what the function beside it says) otherwise. The bytes between two chunks (a
     chunk's alignment) are read into a scratch buffer."""
+    _read_run(stored, [(packed, dest) for packed, dest, _ in parts])
+    for packed, dest, describe in parts:
+        if not _holds(packed, dest):
+            raise CorruptCheckpointError(f"{describe()} {NOT_THE_CHUNK}")
+
+
+def _read_run(stored: StoredItem, parts: Sequence[tuple[Packed, memoryview]]) -> None:
+    """`read_chunks`'s one read: the chunks of a run into their buffers."""
     buffers: list[memoryview] = []
     at = parts[0][0].offset
-    for packed, dest, _ in parts:
+    for packed, dest in parts:
         if packed.offset < at:
             raise ValueError(f"chunks overlap or are out of order at byte {packed.offset}")
         if packed.offset > at:
@@ -296,13 +319,43 @@ def read_chunks(
         buffers.append(dest)
         at = packed.offset + packed.nbytes
     stored.read_range(parts[0][0].pack, parts[0][0].offset, buffers)
-    for packed, dest, describe in parts:
-        digest = xxhash.xxh3_128()
-        _update(digest, dest, hold=packed.nbytes <= _HOLD_GIL_UP_TO)
-        if digest.hexdigest() != packed.xxh3_128:
-            raise CorruptCheckpointError(
-                f"{describe()} is not the chunk the index records (its content hash differs)"
-            )
+
+
+def _holds(packed: Packed, data: memoryview) -> bool:
+    """Whether `data` is the chunk `packed` records (its content hash)."""
+    digest = xxhash.xxh3_128()
+    _update(digest, data, hold=packed.nbytes <= _HOLD_GIL_UP_TO)
+    return bool(digest.hexdigest() == packed.xxh3_128)
+
+
+def check_chunks(stored: StoredItem, chunks: Mapping[str, Packed], threads: int = 4) -> list[str]:
+    """Read each chunk of `chunks` (vpath -> where the index puts it) from its pack, a run at a
+    time on `threads` threads, and check it against the content hash the index records: the
+    problems found, each naming the pack file and the chunk, or the run that could not be read.
+
+    A pack whose whole-file hash is intact can still be lied about by its index (an entry that
+    points a chunk at other bytes of the pack): this is what finds it without a restore
+    (``verify``, and an incremental save before it links a pack it did not write)."""
+    problems: list[str] = []
+
+    def one(run: list[tuple[Packed, str]]) -> None:
+        start = run[0][0].offset
+        scratch = memoryview(bytearray(run[-1][0].offset + run[-1][0].nbytes - start))
+        parts = [(p, scratch[p.offset - start : p.offset - start + p.nbytes]) for p, _ in run]
+        try:
+            _read_run(stored, parts)  # a run's chunks do not overlap (`runs`)
+        except (CorruptCheckpointError, OSError) as e:
+            problems.append(str(e))
+            return
+        for (packed, vpath), (_, data) in zip(run, parts, strict=True):
+            if not _holds(packed, data):
+                problems.append(
+                    stored.chunk_problem(packed.pack, vpath, packed.offset, packed.nbytes)
+                )
+
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="cairn-check") as pool:
+        list(pool.map(one, runs([(p, vpath) for vpath, p in chunks.items()])))
+    return sorted(problems)
 
 
 _RUN_BYTES = 4 * _MiB  # the most one read of several chunks takes (`runs`)

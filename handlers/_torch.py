@@ -163,7 +163,7 @@ class TorchStateHandler:
         where = f"{stored.describe_file(_STRUCTURE)}, key {_path(keys)!r}"
         if not isinstance(node, dict) or len(node) not in (1, 3):
             raise CorruptCheckpointError(f"{where}: not a node of the state tree")
-        if "tensor" in node:
+        if len(node) == 3:  # {"tensor", "dtype", "shape"}, each checked there
             return self._tensor(node, where, stored, torch)
         ((kind, body),) = node.items()
         if kind == "dict" and isinstance(body, list):

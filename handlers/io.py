@@ -2,7 +2,8 @@
 
 Writing: `Destination` (what a write phase writes through), `LocalDestination`, `write_file`,
 `ChecksummedFile`, `content_hash`. Reading: `Source`, `LocalSource`, `StoredItem`,
-`parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError). Names read from
+`parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError),
+`chunks_by_pack` (what a packed item's indexes say each pack holds, for ``verify``). Names read from
 a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`, `fsync_path`.
 Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
@@ -49,6 +50,7 @@ from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
 from cairn.handlers._orbax import read_metadata as read_orbax_metadata
+from cairn.handlers._packs import chunks_by_pack
 from cairn.handlers._staging import Slab, StagingPool, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
@@ -71,6 +73,7 @@ __all__ = [
     "WriteBudget",
     "as_destination",
     "check_relative",
+    "chunks_by_pack",
     "content_hash",
     "decode_state",
     "dtype_from_name",

@@ -222,8 +222,8 @@ class Manifest:
             return cls(
                 step=step,
                 items=items,
-                started_at=_time(obj["started_at"], "started_at"),
-                committed_at=_time(obj["committed_at"], "committed_at"),
+                started_at=unix_time(obj["started_at"], "started_at"),
+                committed_at=unix_time(obj["committed_at"], "committed_at"),
                 metrics=check_metrics(obj.get("metrics", {}), argument="metrics"),
                 metadata=_expect(obj.get("metadata", {}), dict, "metadata"),
                 telemetry={
@@ -263,7 +263,9 @@ def _finite(value: Any, what: str) -> float:
 _LAST_TIME = 253402300800.0  # 10000-01-01: every clock and time.localtime can show what is before
 
 
-def _time(value: Any, what: str) -> float:
+def unix_time(value: Any, what: str) -> float:
+    """A time read from a checkpoint or a lease: a JSON number of seconds from 1970 to 9999
+    (TypeError or ValueError naming `what` otherwise: NaN, Infinity, 1e300, a bool, a string)."""
     seconds = _finite(value, what)
     if not 0 <= seconds < _LAST_TIME:
         raise ValueError(f"{what} {value!r:.40} is not a Unix time in years 1970-9999")

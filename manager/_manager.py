@@ -35,6 +35,7 @@ from cairn.handlers.errors import (
 from cairn.handlers.io import (
     StagingPool,
     WriteBudget,
+    chunks_by_pack,
     lower_thread_priority,
     parse_json,
     staging_for,
@@ -57,6 +58,7 @@ from cairn.manager._policies import (
     EveryNSteps,
     KeepAll,
     KeepPolicy,
+    LastSave,
     SaveContext,
     SavePolicy,
     checked_should_save,
@@ -307,7 +309,10 @@ class CheckpointManager:
         )
         self._telemetry = _telemetry.Telemetry(tensorboard_dir)
         newest = self._catalog.newest_intact()
-        self._last_save_time = newest.manifest.started_at if newest and newest.manifest else None
+        self._last_save = LastSave()
+        if newest is not None and newest.manifest is not None:
+            warn = not read_only and _uses_time(self._save_policy)
+            self._last_save.read(newest.manifest.step, newest.manifest.started_at, warn=warn)
         preemption = [] if read_only else find_on_preemption(self._save_policy)
         self._preemption = (
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
@@ -377,10 +382,11 @@ class CheckpointManager:
         preempted = self._preemption is not None and self._preemption.reached(step)
         if preempted:
             self._preemption_asked = step  # reached_preemption(step) may now say stop
+        now = time.time()
         context = SaveContext(
             latest_step=max(known) if known else None,
-            last_save_time=self._last_save_time,
-            now=time.time(),
+            last_save_time=self._last_save.time(now),
+            now=now,
             preempted=preempted,
         )
         if self._procs.count == 1 or not _uses_time(self._save_policy):
@@ -448,7 +454,7 @@ class CheckpointManager:
         except BaseException:
             self._abandon(snapshots)
             raise
-        self._last_save_time = started_at
+        self._last_save.started(entered)
         tmp_name = None
         if self._procs.count > 1:  # every process writes into the same temporary directory
             digest = hashlib.md5(self._collective("save").encode()).hexdigest()
@@ -1064,11 +1070,19 @@ class CheckpointManager:
             problems = []
             for name in live:
                 stored = self._stored(step, name, manifest)
+                try:  # a packed item: each pack's chunks are checked on the same read
+                    chunks = chunks_by_pack(stored)
+                except CorruptCheckpointError as e:
+                    problems.append(str(e))  # an index whose own file is damaged: said once
+                    chunks = {}
                 for record in manifest.items[name].files:
                     try:
-                        stored.check_file(record.path, checked)
+                        problems += stored.check_file(
+                            record.path, checked, chunks.get(record.path, ())
+                        )
                     except CorruptCheckpointError as e:
-                        problems.append(str(e))
+                        if str(e) not in problems:
+                            problems.append(str(e))
                     except OSError as e:
                         problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
                     if progress is not None:

@@ -51,6 +51,7 @@ from cairn.manager._format import (
     Manifest,
     StepNames,
     check_sync_name,
+    unix_time,
 )
 from cairn.manager._storage import Listed, Reclaim
 from cairn.manager._writer import WRITER_WAIT_S, pid_alive, wait_for_orphan
@@ -311,28 +312,49 @@ class ObjectStore:
         return bytes(result.value)
 
 
+_LEASE_BYTES = 4096  # the most a lease object may hold (cairn's are under 200 bytes)
+_CLOCK_SLACK_S = 60.0  # clocks of two hosts may differ this much before a message says so
+
+
 @dataclasses.dataclass(frozen=True)
 class _Held:
     """What a lease object says: until when, whose (``host:pid:id``), and the pid of that
-    trainer's writer process (``writer="process"``), which commits under the same lease."""
+    trainer's writer process (``writer="process"``), which commits under the same lease.
+
+    A lease that is not one cairn writes is *damaged* (`damaged` says why): not JSON of at most
+    `_LEASE_BYTES`, an `expires` that is not a number of seconds from 1970 to 9999 (NaN,
+    Infinity, 1e300, a bool, a string), an `owner` that is not a short printable string, a
+    `writer` that is not a pid. No live cairn writer leaves such an object, so it counts as
+    expired (a writer takes it over, with a warning)."""
 
     expires: float
     owner: str
     writer: int | None = None
+    damaged: str | None = None
 
     @classmethod
     def parse(cls, data: bytes) -> _Held:
-        """(0.0, "unknown") if it does not parse."""
+        def damaged(why: str) -> _Held:
+            return cls(0.0, "unknown", damaged=why)
+
+        if len(data) > _LEASE_BYTES:
+            return damaged(f"it holds {len(data)} bytes")
         try:
             held = json.loads(data)
-            writer = held.get("writer")
-            return cls(
-                float(held["expires"]),
-                str(held["owner"]),
-                writer if type(writer) is int and writer > 0 else None,  # not a bool
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return cls(0.0, "unknown")
+        except (ValueError, RecursionError) as e:  # not JSON, nested too deep, too many digits
+            return damaged(f"it does not parse ({type(e).__name__})")
+        if not isinstance(held, dict):
+            return damaged("it is not a JSON object")
+        owner, writer = held.get("owner"), held.get("writer")
+        try:
+            expires = unix_time(held.get("expires"), "expires")
+        except (TypeError, ValueError) as e:
+            return damaged(str(e))
+        if not (isinstance(owner, str) and 0 < len(owner) <= 255 and owner.isprintable()):
+            return damaged("its owner is not a printable name of at most 255 characters")
+        if writer is not None and not (type(writer) is int and 0 < writer < 1 << 31):
+            return damaged("its writer is not a pid")
+        return cls(expires, owner, writer)
 
     def _trainer_here(self) -> int | None:
         """The owner's pid, if it ran on this host."""
@@ -385,17 +407,32 @@ class Lease:
         data, self._generation = store.read_with_generation(LEASE)
         if data is not None:
             held = _Held.parse(data)
+            if held.damaged is not None:
+                log.warning(
+                    "cairn: %s/%s is no lease cairn wrote (%s); taking it over as an expired one",
+                    store.url,
+                    LEASE,
+                    held.damaged,
+                )
             orphan = held.orphaned_writer() if held.expires > time.time() else None
             if orphan is not None and wait_for_orphan(*orphan, WRITER_WAIT_S):
                 data, self._generation = store.read_with_generation(LEASE)  # it may have gone
                 held = _Held.parse(data) if data is not None else _Held(0.0, "nobody")
-            if held.expires > time.time() and not held.gone():
+            now = time.time()
+            if held.expires > now and not held.gone():
                 also = f", with its writer process pid {held.writer}" if held.writer else ""
+                ahead = (
+                    f" (more than the lease's {self._seconds:g} s ahead of this host's clock: the "
+                    "owner's clock runs ahead of this one, or the lease was written by hand; if "
+                    f"its owner is gone, delete {LEASE})"
+                    if held.expires - now > self._seconds + _CLOCK_SLACK_S
+                    else ""
+                )
                 raise DirectoryLockedError(
                     f"{store.url} is held by another writable CheckpointManager ({held.owner}"
                     f"{also}) until "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.expires))}; open "
-                    "it with read_only=True to read alongside"
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.expires))}{ahead}; "
+                    "open it with read_only=True to read alongside"
                 )
         if not self._write():
             raise DirectoryLockedError(f"{store.url}: another writer took the lease first")

@@ -15,13 +15,17 @@ answer, and nothing is saved or deleted on its word.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import reprlib
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
+
+log = logging.getLogger("cairn")
 
 __all__ = [
     "AnyOf",
@@ -33,6 +37,7 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "KeepPolicy",
+    "LastSave",
     "OnPreemption",
     "SaveContext",
     "SavePolicy",
@@ -56,6 +61,46 @@ class SaveContext:
     last_save_time: float | None
     now: float
     preempted: bool = False
+
+
+class LastSave:
+    """When the last save started, for `SaveContext.last_save_time`: held as a monotonic
+    instant, so that a wall clock stepped back or forward between two saves of one process
+    (NTP, a VM restored from a snapshot) neither holds `EveryNSeconds` off nor makes it save
+    early. The first one comes from the newest step's manifest (`read`); a start later than
+    now (a host whose clock ran ahead wrote it, this clock was since stepped back, or the
+    manifest was crafted) counts as now, with one warning naming the step and the skew:
+    taken as it is, no time-based save would happen until the wall clock caught up.
+
+    Threads: the manager's caller thread only."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None  # time.monotonic() when it started
+
+    def started(self, at: float) -> None:
+        """A save started at monotonic time `at`."""
+        self._at = at
+
+    def read(self, step: int, started_at: float, *, warn: bool = True) -> None:
+        """The newest committed step, `step`, started at wall time `started_at` (`warn`: say so
+        if that is in the future; a manager without time policies does not)."""
+        now = time.time()
+        if warn and started_at > now + _SKEW_WARNING_S:
+            log.warning(
+                "cairn: step %d started at %s, %.0f s after this host's clock says it is now "
+                "(a clock that ran ahead, or stepped back since); time-based saves count from now",
+                step,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started_at)),
+                started_at - now,
+            )
+        self._at = time.monotonic() - max(0.0, now - started_at)
+
+    def time(self, now: float) -> float | None:
+        """The wall time the last save started, as seen from `now` (time.time())."""
+        return None if self._at is None else now - (time.monotonic() - self._at)
+
+
+_SKEW_WARNING_S = 1.0  # a newest step this far in the future is worth a warning
 
 
 @dataclasses.dataclass(frozen=True)

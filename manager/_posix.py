@@ -507,11 +507,17 @@ class _DirectoryLock:
                     f"{path} is not a regular file ({e.strerror}); remove it and try again"
                 ) from None
             raise
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
             os.close(fd)
+            why = (
+                f"mode {stat.filemode(info.st_mode)}"
+                if not stat.S_ISREG(info.st_mode)
+                else f"{info.st_nlink} hard links: the same file has another name, which "
+                "writing the holder's pid into it would overwrite"
+            )
             raise CorruptCheckpointError(
-                f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it and try again"
+                f"{path} is not a regular file of its own ({why}); remove it and try again"
             )
         holder = _try_lock(fd)
         if holder is not None and _wait_for_writer(holder, WRITER_WAIT_S):

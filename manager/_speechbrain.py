@@ -52,7 +52,7 @@ CKPT_PREFIX = "CKPT"
 METAFNAME = f"{CKPT_PREFIX}.yaml"  # the meta file of SpeechBrain's own checkpoints (read only)
 PARAMFILE_EXT = SpeechBrainHandler.paramfile_ext  # ".ckpt"
 _META_ITEM = "CKPT.meta"  # holds the meta of a checkpoint without recoverables
-_STEP_DIR = re.compile(rf"{CKPT_PREFIX}_(\d+)")
+_STEP_DIR = re.compile(rf"{CKPT_PREFIX}_([0-9]+)")
 
 Checkpoint = collections.namedtuple("Checkpoint", ["path", "meta", "paramfiles"])
 Checkpoint.__doc__ = """One saved checkpoint: `path` (pathlib.Path of its directory), `meta` (a dict;

@@ -57,7 +57,7 @@ log = logging.getLogger("cairn")
 
 STATE, DATASET, PREFIX = "state", "dataset", "checkpoint"
 PINNED = "PINNED"  # T5X's checkpoint_utils.pin_checkpoint: a step holding this file is kept
-_STEP_DIR = re.compile(r"checkpoint_(\d+)")
+_STEP_DIR = re.compile(r"checkpoint_([0-9]+)")
 
 PathLike = str | os.PathLike[str]
 

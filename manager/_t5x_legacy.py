@@ -127,11 +127,23 @@ def _ndarray(data: bytes, file: Path) -> np.ndarray:
     return np.frombuffer(buffer, dtype=dtype).reshape(shape).copy()
 
 
+def _index(key: Any) -> int | None:
+    """A list index written as a map key ("0", "12"), or None: not a string of at most 18 ASCII
+    digits ("²" is a digit to `str.isdigit` and not to `int`; 5,000 digits are too many)."""
+    ok = isinstance(key, str) and 0 < len(key) <= 18 and key.isascii() and key.isdigit()
+    return int(key) if ok else None
+
+
 def _unchunk(node: Mapping[str, Any], file: Path, where: str) -> np.ndarray:
     chunks, shape = node.get("chunks"), node.get("shape")
     if not isinstance(chunks, Mapping) or not isinstance(shape, (list, tuple)) or not chunks:
         raise CorruptCheckpointError(f"{file}: a malformed chunked array at {where}")
-    parts = [chunks[k] for k in sorted(chunks, key=lambda k: int(k) if k.isdigit() else -1)]
+    order = {_index(k): k for k in chunks}
+    if None in order or sorted(order) != list(range(len(chunks))):  # type: ignore[type-var]
+        raise CorruptCheckpointError(
+            f"{file}: the chunked array at {where} has chunks named other than 0..{len(chunks) - 1}"
+        )
+    parts = [chunks[order[i]] for i in range(len(chunks))]
     if not all(isinstance(p, np.ndarray) for p in parts):
         raise CorruptCheckpointError(f"{file}: a chunked array at {where} holds a non-array")
     try:
@@ -397,8 +409,8 @@ def _lookup(state: Any, keys: Sequence[str]) -> tuple[bool, Any]:
     for k in keys:
         if isinstance(node, Mapping) and k in node:
             node = node[k]
-        elif isinstance(node, (list, tuple)) and k.isdigit() and int(k) < len(node):
-            node = node[int(k)]
+        elif isinstance(node, (list, tuple)) and (i := _index(k)) is not None and i < len(node):
+            node = node[i]
         elif (
             not isinstance(node, (Mapping, list, tuple))
             and not hasattr(node, "shape")  # never an array's attribute (`T`, `real`, ...)
@@ -525,7 +537,7 @@ def load_legacy(
 
 # ---------------------------------------------------------------------------- the dataset iterator
 
-_TRAIN_DS = re.compile(r"train_ds-(\d+)-of-(\d+)\.index")
+_TRAIN_DS = re.compile(r"train_ds-([0-9]+)-of-([0-9]+)\.index")
 
 
 def restore_dataset(step_dir: Path, iterator: Any, step: int) -> Any:

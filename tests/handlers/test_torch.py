@@ -177,6 +177,8 @@ def resign(item: Path, relpath: str, data: bytes) -> None:
         {"tensor": 0, "dtype": "float32", "shape": [2, 2]},  # not what the file holds
         {"tensor": "../../x", "dtype": "float32", "shape": [1]},
         {"pickle": "cos\nsystem\n"},
+        {"a": 1, "b": 2, "c": 3},  # three keys, none "tensor" (issue 42: a raw ValueError)
+        {"dict": [], "list": [], "value": 1},
     ],
 )
 def test_crafted_structures_are_corrupt_steps(tmp_path: Path, crafted: dict[str, object]) -> None:

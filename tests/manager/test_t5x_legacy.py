@@ -383,6 +383,19 @@ def test_truncated_and_malformed_msgpack(tmp_path: Path) -> None:
             checkpoints.load_t5x_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000, "-1", "2", " 1", ""])
+def test_a_chunked_array_with_odd_chunk_keys_is_corrupt(tmp_path: Path, key: str) -> None:
+    """Issue 42: flax names a chunked array's chunks "0".."n-1"; a chunk key "²" (a digit to
+    `str.isdigit`, not to `int`) or of 5,000 digits raised a raw ValueError, and keys that skip
+    or repeat a number were sorted as if they did not."""
+    chunks = {"0": np.zeros(2, np.float32), key: np.ones(2, np.float32)}
+    chunked = {"__msgpack_chunked_array__": True, "shape": [4], "chunks": chunks}
+    _write_raw(tmp_path, 1, {"target": {"kernel": chunked}, "state": {"step": 1}})
+    with pytest.raises(CorruptCheckpointError, match=r"chunks named other than 0\.\.1") as info:
+        checkpoints.load_t5x_checkpoint(tmp_path)
+    assert str(tmp_path / "checkpoint_1" / "checkpoint") in str(info.value)
+
+
 def test_missing_array_names_the_step(tmp_path: Path) -> None:
     import shutil
 

@@ -1,0 +1,318 @@
+"""Crafted directories, round three (issue 42): what an attacker who knows docs/format.md can do
+against incremental saves, the lock file, the lease and time policies, with every manifest
+record recomputed so that each file looks intact on its own.
+
+Each test fails on the code before issue 42 and holds now: an index that lies is never carried
+into a new step, ``verify`` names what ``restore`` would refuse, a hard-linked lock file is
+refused and left as it was, a lease of impossible numbers is a damaged lease (taken over with a
+warning), and a newest step from the future does not hold time-based saves off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import xxhash
+
+from cairn.handlers import TrainStateHandler
+from cairn.handlers.errors import CorruptCheckpointError
+from cairn.manager import CheckpointManager, EveryNSeconds, _manager, _policies
+from cairn.manager._format import LOCK, MANIFEST, dump_checked
+from cairn.manager._objectstore import ObjectStore, StorageOptions
+
+N = 1 << 18  # floats: 1 MiB a leaf, one chunk each, both in one pack
+
+
+def state() -> dict[str, Any]:
+    return {"a": jnp.arange(N, dtype=jnp.float32), "b": jnp.arange(N, dtype=jnp.float32) * 2}
+
+
+def packed() -> dict[str, TrainStateHandler]:
+    return {"state": TrainStateHandler(layout="packed")}
+
+
+class Files:
+    """A step's files, read and rewritten as an attacker would, on disk or in a bucket."""
+
+    def __init__(self, where: str | Path) -> None:
+        self.where = where
+        self.store = ObjectStore(where, StorageOptions()) if isinstance(where, str) else None
+
+    def read(self, relpath: str) -> bytes:
+        if self.store is None:
+            return (Path(self.where) / relpath).read_bytes()
+        data = self.store.read(relpath)
+        assert data is not None, relpath
+        return data
+
+    def write(self, relpath: str, data: bytes) -> None:
+        if self.store is None:
+            path = Path(self.where) / relpath
+            path.unlink()  # a new inode: the attacker does not write through the old one
+            path.write_bytes(data)
+        else:
+            self.store.write(relpath, data)
+
+    def edit_file(self, step: int, item: str, relpath: str, edit: Callable[[Any], None]) -> None:
+        """Rewrite a JSON file of an item and its manifest record (size and XXH3-128)."""
+        name = f"checkpoint_{step}/{item}/{relpath}"
+        body = json.loads(self.read(name))
+        edit(body)
+        data = json.dumps(body).encode()
+        self.write(name, data)
+        manifest = json.loads(self.read(f"checkpoint_{step}/{MANIFEST}"))
+        del manifest["crc32c"]
+        for record in manifest["items"][item]["files"]:
+            if record["path"] == relpath:
+                record.update(size=len(data), xxh3_128=xxhash.xxh3_128_hexdigest(data))
+        self.write(f"checkpoint_{step}/{MANIFEST}", dump_checked(manifest))
+
+
+def point_a_at_b(files: Files, step: int) -> None:
+    """The lie of case 1: the index places chunk `a` at `b`'s bytes of the same intact pack,
+    keeping `a`'s own content hash; the index's manifest record is recomputed."""
+
+    def edit(index: dict[str, Any]) -> None:
+        chunks = index["chunks"]
+        (a,) = [k for k in chunks if k.startswith("arrays/0/")]
+        (b,) = [k for k in chunks if k.startswith("arrays/1/")]
+        assert chunks[a][0] == chunks[b][0]  # one pack
+        chunks[a][1] = chunks[b][1]
+
+    files.edit_file(step, "state", "packs/index.0.json", edit)
+
+
+@pytest.fixture(params=["disk", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> str | Path:
+    if request.param == "disk":
+        return tmp_path / "run"
+    return f"{request.getfixturevalue('s3_bucket')}/run"
+
+
+def test_an_index_that_lies_is_not_carried_into_the_next_step(
+    where: str | Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Case 1: step 1's index points `a` at `b`'s bytes of its intact pack. A new manager's
+    incremental save of the correct state (it has no memory of step 1) checks the chunks it
+    would keep before it links the pack: it warns, naming the pack, and writes the chunks
+    afresh, so step 2 restores; the next save trusts what this one wrote."""
+    with CheckpointManager(where, handlers=packed(), incremental=True) as mgr:
+        mgr.save(1, {"state": state()})
+    files = Files(where)
+    point_a_at_b(files, 1)
+    with CheckpointManager(where, handlers=packed(), incremental=True) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="is not the chunk the index records"):
+            mgr.restore(1, fallback=False)
+        with caplog.at_level(logging.WARNING, "cairn"):
+            mgr.save(2, {"state": state()})
+            mgr.wait_until_finished()
+        assert "the newest step's index does not hold" in caplog.text
+        assert "checkpoint_1/state/packs/0." in caplog.text and "chunk arrays/0/" in caplog.text
+        got = mgr.restore(2, fallback=False)["state"]
+        np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(state()["a"]))
+        assert mgr.verify(2) == []
+        one, two = (set(mgr.info(s).items["state"].files) for s in (1, 2))
+        assert not (one & two) - {"packs/index.0.json", "tree.json"}  # no pack of step 1 kept
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "cairn"):
+            mgr.save(3, {"state": state()})  # links step 2's pack, which this process wrote
+            mgr.wait_until_finished()
+        assert "does not hold" not in caplog.text
+        assert set(mgr.info(2).items["state"].files) & set(mgr.info(3).items["state"].files) - {
+            "packs/index.0.json",
+            "tree.json",
+        }
+        assert mgr.verify(3) == []
+
+
+def test_an_honest_index_is_still_linked_by_a_new_process(where: str | Path) -> None:
+    """The check costs a read, not the links: an index that holds is linked as before."""
+    with CheckpointManager(where, handlers=packed(), incremental=True) as mgr:
+        mgr.save(1, {"state": state()})
+    with CheckpointManager(where, handlers=packed(), incremental=True) as mgr:
+        mgr.save(2, {"state": state()})
+        mgr.wait_until_finished()
+        assert mgr.info(1).items["state"].files[0] in mgr.info(2).items["state"].files
+        tm = mgr.info(2).telemetry
+        assert tm["bytes_written"] < 0.01 * tm["bytes"]
+
+
+def test_verify_checks_each_chunk_against_its_index(tmp_path: Path) -> None:
+    """Case 4: `verify` (and ``cairn verify``) read each pack whole and each chunk the index
+    places in it: the lie of case 1 is named, pack and chunk, where restore refuses."""
+    with CheckpointManager(tmp_path, handlers=packed()) as mgr:
+        mgr.save(1, {"state": state()})
+    point_a_at_b(Files(tmp_path), 1)
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        problems = mgr.verify(1)
+        assert len(problems) == 1, problems
+        assert "packs/0." in problems[0] and "chunk arrays/0/0" in problems[0]
+        assert "is not the chunk the index records" in problems[0]
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(1, fallback=False)
+
+
+@pytest.mark.parametrize("target", ["a step's manifest", "a file outside the root"])
+def test_a_hard_linked_lock_file_is_refused_and_left_whole(tmp_path: Path, target: str) -> None:
+    """Case 2: `.cairn.lock` a hard link to another file (tar and rsync -H keep them): a
+    writable open refuses it, naming the link count, and truncates nothing."""
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"state": {"x": np.arange(4)}})
+    victim = root / "checkpoint_1" / MANIFEST
+    if target == "a file outside the root":
+        victim = tmp_path / "secret.txt"
+        victim.write_text("do not overwrite me")
+    before = victim.read_bytes()
+    (root / LOCK).unlink()
+    os.link(victim, root / LOCK)
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"\.cairn\.lock is not a regular file of its own \(2 hard links",
+    ):
+        CheckpointManager(root)
+    assert victim.read_bytes() == before
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.verify(1) == []
+        assert mgr.restore(1)["state"]["x"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"owner": "elsewhere:1:x", "expires": Infinity}',
+        b'{"owner": "elsewhere:1:x", "expires": NaN}',
+        b'{"owner": "elsewhere:1:x", "expires": 1e300}',
+        b'{"owner": "elsewhere:1:x", "expires": ' + b"9" * 400 + b"}",
+        b'{"owner": "elsewhere:1:x", "expires": ' + b"9" * 5000 + b"}",
+        b'{"owner": "elsewhere:1:x", "expires": true}',
+        b'{"owner": "elsewhere:1:x", "expires": -5}',
+        b'{"owner": ["x"], "expires": 1}',
+        b'{"owner": "elsewhere:99999999999999999999:x", "expires": 1, "writer": 99999999999999}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 900 + b"1" + b"}" * 900,
+    ],
+    ids=[
+        "Infinity",
+        "NaN",
+        "1e300",
+        "400 digits",
+        "5000 digits",
+        "bool",
+        "negative",
+        "owner a list",
+        "huge pids",
+        "100k deep",
+        "900 deep",
+    ],
+)
+def test_a_damaged_lease_is_taken_over_with_a_warning(
+    s3_bucket: str, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Case 5: a lease object whose numbers no clock or pid can have, or JSON nested deeper
+    than Python parses: a damaged lease, taken over at once with a warning (no live cairn
+    writer leaves one), never a raw OverflowError or RecursionError."""
+    url = f"{s3_bucket}/damaged"
+    store = ObjectStore(url, StorageOptions())
+    store.write(LOCK, body)
+    with caplog.at_level(logging.WARNING, "cairn"), CheckpointManager(url) as mgr:
+        assert "is no lease cairn wrote" in caplog.text
+        mgr.save(1, {"state": {"x": np.arange(3)}})
+        mgr.wait_until_finished()
+        held = json.loads(store.read(LOCK) or b"")
+        assert held["owner"].split(":")[1] == str(os.getpid())
+    assert store.read(LOCK) is None
+
+
+def test_a_live_lease_from_a_clock_far_ahead_says_so(s3_bucket: str) -> None:
+    """A lease that expires days from now by this host's clock is refused (its owner may be
+    alive), with a message that says the clocks differ and how to take it over."""
+    url = f"{s3_bucket}/ahead"
+    store = ObjectStore(url, StorageOptions())
+    store.write(
+        LOCK, json.dumps({"owner": "elsewhere:1:x", "expires": time.time() + 30 * 86400}).encode()
+    )
+    with pytest.raises(Exception, match=r"ahead of this host's clock.*delete \.cairn\.lock"):
+        CheckpointManager(url)
+
+
+class FakeClock:
+    """time.time and time.monotonic for the manager and its policies, moved by the test."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = time.time(), 1000.0
+
+    def module(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            time=lambda: self.wall,
+            monotonic=lambda: self.mono,
+            strftime=time.strftime,
+            localtime=time.localtime,
+            perf_counter=time.perf_counter,
+        )
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClock]:
+    fake = FakeClock()
+    monkeypatch.setattr(_policies, "time", fake.module(), raising=False)  # (issue 42: new)
+    monkeypatch.setattr(_manager, "time", fake.module())
+    yield fake
+
+
+def set_started_at(root: Path, step: int, started_at: float) -> None:
+    path = root / f"checkpoint_{step}" / MANIFEST
+    body = json.loads(path.read_bytes())
+    del body["crc32c"]
+    body["started_at"] = started_at
+    path.write_bytes(dump_checked(body))
+
+
+def test_a_newest_step_from_the_future_counts_as_now(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Case 3: the newest step started 30 days ahead of this clock (a host whose clock ran
+    ahead wrote it, or a crafted manifest). A restarted manager counts the interval from now,
+    with one warning naming the step and the skew, instead of waiting 30 days."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"state": {"x": np.arange(3)}})
+    set_started_at(tmp_path, 1, clock.wall + 30 * 86400)
+    with caplog.at_level(logging.WARNING, "cairn"):
+        mgr = CheckpointManager(tmp_path, save=EveryNSeconds(60))
+    try:
+        warned = [r.getMessage() for r in caplog.records if "time-based saves" in r.getMessage()]
+        assert len(warned) == 1 and "step 1 started at" in warned[0]
+        assert "2592000 s after" in warned[0]
+        assert not mgr.should_save(2)
+        clock.wall += 61
+        clock.mono += 61
+        assert mgr.should_save(2)
+    finally:
+        mgr.close()
+
+
+def test_a_clock_stepped_back_does_not_hold_saves_off(tmp_path: Path, clock: FakeClock) -> None:
+    """Case 3, in one process: the wall clock steps back a day after a save (NTP, a VM
+    restored); the interval is measured on the monotonic clock, so the next save comes when
+    `seconds` have passed, not a day later. Stepped forward, it does not come early."""
+    with CheckpointManager(tmp_path, save=EveryNSeconds(60)) as mgr:
+        assert mgr.save(1, {"state": {"x": np.arange(3)}})
+        clock.wall -= 86400
+        clock.mono += 30
+        assert not mgr.should_save(2)
+        clock.mono += 31
+        assert mgr.should_save(2)
+        assert mgr.save(2, {"state": {"x": np.arange(3)}})
+        clock.wall += 7 * 86400
+        clock.mono += 1
+        assert not mgr.should_save(3)
