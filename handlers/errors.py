@@ -14,6 +14,8 @@ The tree (each also subclasses the builtin in brackets, so ``except LookupError`
     ├── DirectoryLockedError      [RuntimeError]      another writer holds the directory
     ├── CommitError               [RuntimeError]      a background commit failed (the original is chained)
     ├── WriterProcessError        [RuntimeError]      the writer process (writer="process") died
+    │   └── WriterTimeoutError                        no sign of life within barrier_timeout; killed
+    │                                                 (also a BarrierTimeoutError, so a TimeoutError)
     ├── BarrierTimeoutError       [TimeoutError]      a process did not reach a barrier in time
     └── MissingDependencyError    [ImportError]       an optional library is not installed (names the extra)
 
@@ -38,6 +40,7 @@ __all__ = [
     "SupersededError",
     "UnsupportedFormatError",
     "WriterProcessError",
+    "WriterTimeoutError",
 ]
 
 
@@ -92,6 +95,14 @@ class WriterProcessError(CairnError, RuntimeError):
 
 class BarrierTimeoutError(CairnError, TimeoutError):
     """A process did not arrive at a multi-process barrier within the timeout."""
+
+
+class WriterTimeoutError(WriterProcessError, BarrierTimeoutError):
+    """The writer process of ``writer="process"`` showed no sign of life (no answer, no CPU
+    time, no I/O) for the barrier timeout while a save was due from it: stopped (SIGSTOP, a
+    debugger) or stuck on a hung filesystem. It was killed; the step it owed is not committed
+    (the next save starts a new writer process). Both a WriterProcessError and a
+    BarrierTimeoutError (so a ``TimeoutError``): the same bound, the same kind of error."""
 
 
 class MissingDependencyError(CairnError, ImportError):

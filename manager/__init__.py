@@ -36,6 +36,7 @@ from cairn.manager.errors import (
     SupersededError,
     UnsupportedFormatError,
     WriterProcessError,
+    WriterTimeoutError,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "SupersededError",
     "UnsupportedFormatError",
     "WriterProcessError",
+    "WriterTimeoutError",
     "errors",
     "orbax",
     "speechbrain",

@@ -156,6 +156,9 @@ class CheckpointManager:
     With ``writer="process"`` the write phase and the commit of each save run in a writer
     process the manager starts (`_writer.WriterProcess`): `save()` sends the save there before it
     returns, and the commit thread waits for the answers, in order, then applies retention.
+    Those waits, and `close`'s wait for the process to exit, have the bound of a barrier
+    (``barrier_timeout``): a writer with no sign of life for that long (stopped, stuck on a hung
+    filesystem) is killed and the step fails with WriterTimeoutError, kept as any commit error.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError

@@ -6,7 +6,15 @@ returns. From then on the step no longer depends on the trainer: the writer proc
 slabs, runs the same commit sequence as the commit thread (`commit_step`), and answers each job,
 in order, with its manifest or its error. When the trainer dies (SIGKILL, OOM, a segfault) its
 end of the socket closes; the writer reads the jobs already sent to the end, commits them, and
-exits. Nothing polls a pid.
+exits. Nothing polls a pid for that.
+
+The other way round, the trainer's waits for its writer's answers and exit have the bound of
+a barrier (the manager's ``barrier_timeout``). While an answer is owed, the trainer looks at
+the writer about once a second (``/proc/<pid>/stat`` and ``io``): bytes on the socket, CPU
+time spent or I/O done are signs of life, however long the commit; a writer with none for the
+bound (stopped by SIGSTOP or a debugger, stuck on a hung filesystem) is killed, and its job
+fails with WriterTimeoutError (a WriterProcessError and a BarrierTimeoutError). `close` waits
+the same bound for the writer to exit, then kills it.
 
 The writer holds the directory with the trainer: it inherits the lock's descriptor (POSIX), or
 shares the lease (object stores), as `Storage.for_writer_process` says, and the storage records
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -39,10 +48,10 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
-from cairn.handlers.errors import BarrierTimeoutError, WriterProcessError
+from cairn.handlers.errors import BarrierTimeoutError, WriterProcessError, WriterTimeoutError
 from cairn.handlers.io import Slab
 from cairn.manager._format import SYNC_PREFIX, Manifest, check_sync_name
 
@@ -73,9 +82,13 @@ def _send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
     sock.sendall(payload)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exactly(
+    sock: socket.socket, n: int, wait: Callable[[], None] | None = None
+) -> bytes | None:
     parts, got = [], 0
     while got < n:
+        if wait is not None:
+            wait()
         part = sock.recv(min(n - got, 1 << 20))
         if not part:
             return None
@@ -84,13 +97,19 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    """One message and the descriptors that came with it; None at the end of the stream."""
+def _recv(
+    sock: socket.socket, wait: Callable[[], None] | None = None
+) -> tuple[bytes, list[int]] | None:
+    """One message and the descriptors that came with it; None at the end of the stream.
+    `wait`, if given, is called before each read, to return once the socket has something
+    to read (or raise): a peer that stops halfway through a message cannot hold us either."""
+    if wait is not None:
+        wait()
     data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
     if not data:
         return None
     if len(data) < _HEADER.size:
-        rest = _recv_exactly(sock, _HEADER.size - len(data))
+        rest = _recv_exactly(sock, _HEADER.size - len(data), wait)
         if rest is None:
             return None
         data += rest
@@ -99,7 +118,7 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
         for fd in fds:
             os.close(fd)
         raise WriterProcessError(f"a message said {count} descriptors and came with {len(fds)}")
-    payload = _recv_exactly(sock, size)
+    payload = _recv_exactly(sock, size, wait)
     if payload is None:
         for fd in fds:
             os.close(fd)
@@ -247,6 +266,36 @@ def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
     return True
 
 
+_LOOK_EVERY_S = 1.0  # how often a trainer owed an answer looks at its writer process
+_STATES = {  # /proc/<pid>/stat's state letters, for messages
+    "R": "running",
+    "S": "asleep",
+    "D": "waiting on I/O that does not return (a hung filesystem?)",
+    "T": "stopped (SIGSTOP or a terminal stop)",
+    "t": "stopped by a debugger",
+    "Z": "exited",
+}
+
+
+def _vitals(pid: int) -> tuple[str, tuple[int, ...]] | None:
+    """Process `pid`'s state letter (`_STATES`) and the counters that move while it works:
+    its CPU time (all its threads, in clock ticks) and, where they may be read, its I/O
+    counters; None where /proc does not show it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        state, counters = fields[0].decode("ascii", "replace"), (int(fields[11]), int(fields[12]))
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            io_counters = tuple(int(line.split()[1]) for line in f.read().splitlines() if line)
+    except (OSError, ValueError, IndexError):
+        io_counters = ()
+    return state, counters + io_counters
+
+
 # ---------------------------------------------------------------------------- the trainer's side
 
 
@@ -257,7 +306,8 @@ class WriterProcess:
     manager's commit thread, which reads the answers in the order the jobs were sent; a lock
     keeps two sends from interleaving. Once the process is gone, `dead` says why, every job
     not yet answered fails with WriterProcessError, and the manager starts a new process at
-    its next save.
+    its next save. The waits for an answer (`result`: without a sign of life) and for the exit
+    (`close`) are bounded by ``spec["barrier_timeout"]``; past it the process is killed.
     """
 
     def __init__(self, spec: Mapping[str, Any], pass_fds: Sequence[int]) -> None:
@@ -279,6 +329,7 @@ class WriterProcess:
         self._send_lock = threading.Lock()
         self.dead: str | None = None
         self.pid = self._proc.pid
+        self._bound = float(spec.get("barrier_timeout", 300.0))  # of every wait on it
         _OPEN.add(self)
         _send(self._sock, pickle.dumps(("init", dict(spec))))
 
@@ -300,18 +351,25 @@ class WriterProcess:
     def result(self, step: int) -> Manifest | None:
         """The writer's answer to the oldest unanswered job (step `step`): its manifest (None
         from a process that is not the primary of a multi-process run), or its error raised
-        here with the writer's traceback chained."""
+        here with the writer's traceback chained. Bounded by the barrier timeout without a sign
+        of life (`_await_bytes`): WriterTimeoutError. An "alive" message is no answer (the
+        writer waits at a meeting with the other processes' writers, as long as that bound)."""
         if self.dead is not None:
             raise WriterProcessError(f"{self.dead}; step {step} was not committed")
-        why = None
-        try:
-            message = _recv(self._sock)
-        except OSError as e:
-            message, why = None, f"its socket failed ({e})"
-        if message is None:
-            self._died(why)
-            raise WriterProcessError(f"{self.dead}; step {step} was not committed")
-        answer = pickle.loads(message[0])
+        while True:
+            why = None
+            try:
+                message = _recv(self._sock, lambda: self._await_bytes(step))
+            except WriterTimeoutError:  # a TimeoutError, so an OSError: not the socket's failure
+                raise
+            except OSError as e:
+                message, why = None, f"its socket failed ({e})"
+            if message is None:
+                self._died(why)
+                raise WriterProcessError(f"{self.dead}; step {step} was not committed")
+            answer = pickle.loads(message[0])
+            if answer[0] != "alive":  # else it waits at a meeting (`StoredMeetings`): go on
+                break
         if answer[0] == "committed":
             if answer[1] != step:  # out of step with the jobs: no later answer can be trusted
                 self._proc.kill()
@@ -322,6 +380,56 @@ class WriterProcess:
         _, _, error, text = answer
         error.__cause__ = RemoteTraceback(text)
         raise error
+
+    def _await_bytes(self, step: int) -> None:
+        """Commit thread, owed the answer for step `step`: return once the socket has something
+        to read (bytes, the end, an error). Meanwhile look at the writer every second or so: any
+        byte that arrives (each call starts the clock again), CPU time spent by any of its
+        threads, or I/O counted for it is a sign of life; a long commit shows them all along,
+        and a wait at a meeting says so once a second. With none for the bound (the barrier
+        timeout) it is stopped (SIGSTOP, a debugger) or stuck (a hung filesystem): kill it,
+        raise WriterTimeoutError."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        look = min(_LOOK_EVERY_S, self._bound / 10)
+        seen = _vitals(self.pid)
+        last = time.monotonic()
+        while not poller.poll(look * 1e3):
+            now, vitals = time.monotonic(), _vitals(self.pid)
+            stopped = vitals is None or vitals[0] in "Tt"
+            if not stopped and seen is not None and vitals is not None and vitals[1] != seen[1]:
+                last = now
+            seen = vitals
+            if now - last >= self._bound:
+                self._stalled(step, vitals)
+
+    def _stalled(self, step: int, vitals: tuple[str, tuple[int, ...]] | None) -> NoReturn:
+        """The writer showed no sign of life for the bound while step `step` was due: kill it
+        (SIGKILL ends a stopped process too), so that its descriptors, its copy of the lock and
+        its share of the lease go; the step is not committed. Raise WriterTimeoutError."""
+        state = "?" if vitals is None else vitals[0]
+        message = (
+            f"the writer process (pid {self.pid}) showed no sign of life for {self._bound:g} s "
+            f"(barrier_timeout) while step {step} was due from it: no answer, no CPU time, no "
+            f"I/O; it is {_STATES.get(state, f'in state {state!r}')}. It was killed (SIGKILL) so "
+            f"that it lets the directory go; step {step} was not committed (what it wrote is "
+            "removed when the directory is next opened), and the next save starts a new writer "
+            "process. If something stopped the writer (SIGSTOP, a debugger) or its filesystem "
+            "hangs, see to that; if its commits can legitimately pause longer, raise "
+            "barrier_timeout"
+        )
+        log.error("cairn: %s", message)
+        self._proc.kill()
+        try:
+            self._proc.wait(timeout=min(5.0, self._bound))
+            how = "was killed"
+        except subprocess.TimeoutExpired:  # stuck in the kernel: it ends when its I/O does
+            how = "was sent SIGKILL"
+        self.dead = (
+            f"the writer process (pid {self.pid}) {how} after no sign of life for "
+            f"{self._bound:g} s (barrier_timeout)"
+        )
+        raise WriterTimeoutError(message)
 
     def _died(self, why: str | None) -> None:
         """Record that the process is gone, with its exit status when it has one."""
@@ -340,19 +448,44 @@ class WriterProcess:
         self.dead = f"the writer process (pid {self.pid}) {how}" + (f" ({why})" if why else "")
         log.error("cairn: %s", self.dead)
 
-    def close(self, timeout: float = 300.0) -> None:
-        """Tell the writer no more jobs come (it answers the ones sent, then exits) and wait."""
+    def close(self, timeout: float | None = None) -> None:
+        """Tell the writer no more jobs come (it answers the ones sent, then exits) and wait
+        for it to exit, up to `timeout` seconds (None: the barrier timeout, the bound of every
+        wait on it); then kill it (SIGKILL ends a stopped process too), which lets its hold on
+        the directory go."""
         if self._sock.fileno() < 0:
             return
+        bound = self._bound if timeout is None else timeout
         with contextlib.suppress(OSError), self._send_lock:
             _send(self._sock, pickle.dumps(("close",)))  # a hang-up without it: the trainer died
             self._sock.shutdown(socket.SHUT_WR)
+        if self._proc.poll() is None:
+            log.info(
+                "cairn: closing the writer process (pid %d); waiting up to %g s for it to exit",
+                self.pid,
+                bound,
+            )
         try:
-            self._proc.wait(timeout=timeout)
+            self._proc.wait(timeout=bound)
         except subprocess.TimeoutExpired:
-            log.error("cairn: the writer process (pid %d) did not exit; killing it", self.pid)
+            vitals = _vitals(self.pid)
+            log.error(
+                "cairn: the writer process (pid %d) did not exit within %g s of close "
+                "(barrier_timeout; it is %s); killing it (SIGKILL)",
+                self.pid,
+                bound,
+                _STATES.get(vitals[0], "in state " + vitals[0]) if vitals else "gone",
+            )
             self._proc.kill()
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout=bound)
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "cairn: the writer process (pid %d) still runs %g s after SIGKILL (stuck "
+                    "in the kernel: a hung filesystem?); leaving it",
+                    self.pid,
+                    bound,
+                )
         self._sock.close()
         self.dead = self.dead or "the writer process was closed"
 
@@ -385,12 +518,23 @@ class StoredMeetings:
     So nobody waits for a file the primary may have removed already: `forget` (the primary's,
     after the commit or its failure) removes every file of the step. A crash leaves some, which
     the next writer's `clean_leftovers` removes. Waits poll the storage (there is nothing to
-    be notified by), from 5 ms to 200 ms apart, until the barrier timeout.
+    be notified by), from 5 ms to 200 ms apart, until the barrier timeout; meanwhile `alive`
+    tells the trainer about once a second that its writer waits (a sign of life: see
+    `WriterProcess.result`), so that the trainer's bound on its writer's silence never ends a
+    wait that has a bound of its own.
     """
 
-    def __init__(self, storage: Any, index: int, count: int, primary_index: int) -> None:
+    def __init__(
+        self,
+        storage: Any,
+        index: int,
+        count: int,
+        primary_index: int,
+        alive: Callable[[], None] | None = None,
+    ) -> None:
         self.storage, self.index, self.count = storage, index, count
         self.primary_index = primary_index
+        self._alive = alive
         self._reported: set[str] = set()
         self._files: set[str] = set()
 
@@ -412,7 +556,11 @@ class StoredMeetings:
         files = [self._file(name, i) for i in indices]
         found: dict[str, bytes] = {}
         deadline, pause = time.monotonic() + timeout_s, 0.005
+        said = 0.0  # when `alive` was last called
         while True:
+            if self._alive is not None and time.monotonic() - said >= _LOOK_EVERY_S:
+                self._alive()
+                said = time.monotonic()
             for file in files:
                 if file not in found:
                     data = self.storage.read_root_file(file)
@@ -558,7 +706,11 @@ def main(sock_fd: int) -> int:
             procs: Meetings = SINGLE
             if spec.get("process_count", 1) > 1:
                 procs = StoredMeetings(
-                    storage, spec["process_index"], spec["process_count"], spec["primary_index"]
+                    storage,
+                    spec["process_index"],
+                    spec["process_count"],
+                    spec["primary_index"],
+                    alive=functools.partial(_answer, sock, ("alive",)),
                 )
             manifest = commit_step(storage, names, job, procs, timeout_s=spec["barrier_timeout"])
         except BaseException as e:

@@ -15,6 +15,7 @@ from cairn.handlers.errors import (
     SupersededError,
     UnsupportedFormatError,
     WriterProcessError,
+    WriterTimeoutError,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "SupersededError",
     "UnsupportedFormatError",
     "WriterProcessError",
+    "WriterTimeoutError",
 ]

@@ -4,6 +4,7 @@ replaced; nothing partial is left, and no shared memory outlives the processes."
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +28,13 @@ from cairn.handlers import InMemoryHandler
 from cairn.manager import CheckpointManager, KeepLatest
 from cairn.manager._format import StepNames
 from cairn.manager._objectstore import KvStorage, StorageOptions
-from cairn.manager.errors import CommitError, DirectoryLockedError, WriterProcessError
+from cairn.manager.errors import (
+    BarrierTimeoutError,
+    CommitError,
+    DirectoryLockedError,
+    WriterProcessError,
+    WriterTimeoutError,
+)
 
 TESTS = Path(__file__).resolve().parent.parent
 TRAINER = TESTS / "writer_trainer.py"
@@ -235,6 +242,143 @@ def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_anot
     with CheckpointManager(tmp_path) as again:
         assert again.all_steps() == [1, 3]
     assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_3"]
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP our child `pid`; return once it is stopped (waitid reports it, and leaves it)."""
+    os.kill(pid, signal.SIGSTOP)
+    os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOWAIT)
+
+
+def within(seconds: float, call: Callable[[], object], stopped: int) -> BaseException | None:
+    """Run `call` on a thread; what it raised. Fails the test if it is still running after
+    `seconds`, once the `stopped` writer is killed so that nothing is left waiting on it."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
+        thread.join(60)
+        pytest.fail(f"still waiting for the stopped writer process after {seconds} s")
+    return raised[0] if raised else None
+
+
+def files_of(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under `directory`: its size, mtime and content hash."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            info = path.stat()
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            found[str(path.relative_to(directory))] = (info.st_size, info.st_mtime_ns, digest)
+    return found
+
+
+def test_a_stopped_writer_fails_its_save_within_the_barrier_timeout(tmp_path: Path) -> None:
+    """A writer stopped (SIGSTOP) with a save handed to it shows no sign of life: after
+    barrier_timeout the save fails with WriterTimeoutError naming the pid, the step and the
+    bound, the writer is killed, the steps committed before are untouched, and the next save
+    starts a new writer. (Before, wait_until_finished waited for ever.)"""
+    bound = 3.0
+    mgr = CheckpointManager(tmp_path, writer="process", barrier_timeout=bound)
+    mgr.save(1, {"state": small_state(1), "meta": {"step": 1}})
+    mgr.wait_until_finished()
+    committed = files_of(tmp_path / "checkpoint_1")
+    assert mgr._remote is not None
+    pid = mgr._remote.pid
+    stop(pid)
+    mgr.save(2, {"state": small_state(2)})  # handed over: it waits in the socket
+    started = time.monotonic()
+    error = within(bound + 30, mgr.wait_until_finished, pid)
+    took = time.monotonic() - started
+    assert isinstance(error, CommitError), error
+    assert "the commit of step 2 failed" in str(error)
+    cause = error.__cause__
+    assert isinstance(cause, WriterTimeoutError)
+    assert isinstance(cause, WriterProcessError) and isinstance(cause, BarrierTimeoutError)
+    assert isinstance(cause, TimeoutError)
+    message = str(cause)
+    assert f"writer process (pid {pid}) showed no sign of life for 3 s (barrier_timeout)" in message
+    assert "while step 2 was due" in message and "stopped (SIGSTOP" in message
+    assert "step 2 was not committed" in message and "raise barrier_timeout" in message
+    assert took < bound + 10, took
+    wait_exit(pid, timeout=10)  # killed (a stopped process too)
+    mgr.check_for_errors()  # raised once
+    assert mgr.all_steps() == [1]
+    assert files_of(tmp_path / "checkpoint_1") == committed
+    got = mgr.restore(1)
+    np.testing.assert_array_equal(got["state"]["w"], small_state(1)["w"])
+    assert got["meta"] == {"step": 1}
+    mgr.save(3, {"state": small_state(3)})  # a new writer process
+    mgr.wait_until_finished()
+    assert mgr._remote is not None and mgr._remote.pid != pid
+    started = time.monotonic()
+    assert within(30, mgr.close, pid) is None
+    assert time.monotonic() - started < 10
+    with CheckpointManager(tmp_path) as again:
+        assert again.all_steps() == [1, 3]
+        np.testing.assert_array_equal(again.restore(3)["state"]["w"], small_state(3)["w"])
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_3"]
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_close_with_a_stopped_writer_returns_within_the_barrier_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, in_flight: bool
+) -> None:
+    """close() waits for a stopped writer as long as for a barrier, then kills it and says so
+    (before, 300 s whatever barrier_timeout said; with a save in flight, for ever)."""
+    bound = 2.0
+    mgr = CheckpointManager(tmp_path, writer="process", barrier_timeout=bound)
+    mgr.save(1, {"state": small_state(1)})
+    mgr.wait_until_finished()
+    assert mgr._remote is not None
+    pid = mgr._remote.pid
+    stop(pid)
+    if in_flight:
+        mgr.save(2, {"state": small_state(2)})
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cairn"):
+        error = within(bound + 30, mgr.close, pid)
+    assert time.monotonic() - started < bound + 10
+    if in_flight:  # the commit's error, as close raises any
+        assert isinstance(error, CommitError) and "the commit of step 2 failed" in str(error)
+        assert isinstance(error.__cause__, WriterTimeoutError)
+        assert f"pid {pid}) showed no sign of life for 2 s" in caplog.text
+    else:
+        assert error is None
+        assert f"closing the writer process (pid {pid}); waiting up to 2 s" in caplog.text
+        assert f"(pid {pid}) did not exit within 2 s of close" in caplog.text
+        assert "stopped (SIGSTOP or a terminal stop)); killing it (SIGKILL)" in caplog.text
+    wait_exit(pid, timeout=10)
+    with CheckpointManager(tmp_path) as again:  # the directory was let go
+        assert again.all_steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1"]
+
+
+def test_a_writer_waiting_at_a_meeting_tells_its_trainer_it_lives(tmp_path: Path) -> None:
+    """A writer process waiting for the other processes' writers (bounded by barrier_timeout
+    too) says so about once a second, so that its trainer's bound on its silence does not
+    end the wait first: the wait ends with its own BarrierTimeoutError."""
+    from cairn.manager._storage import open_storage
+    from cairn.manager._writer import StoredMeetings
+
+    said: list[float] = []
+    storage = open_storage(tmp_path, None)
+    meetings = StoredMeetings(storage, 1, 2, 0, alive=lambda: said.append(time.monotonic()))
+    started = time.monotonic()
+    with pytest.raises(BarrierTimeoutError, match=r"processes \[0\] did not reach"):
+        meetings.barrier("cairn/checkpoint_1.tmp-ab/created", 2.5)
+    assert len(said) >= 2 and said[0] - started < 0.5, [t - started for t in said]
+    storage.close()
 
 
 def test_an_error_in_the_writer_reaches_the_trainer_with_its_traceback(
