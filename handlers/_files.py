@@ -461,17 +461,24 @@ class Destination(abc.ABC):
             return None
         return StoredItem(self._reuse_source, self._reuse_records)
 
-    def link_known(self, relpath: str, size: int, digest: str) -> FileRecord | None:
+    def link_known(
+        self, relpath: str, size: int, digest: str, ranges: Ranges = ()
+    ) -> FileRecord | None:
         """Make `relpath` the previous step's file of this size and content hash without being
         given its bytes (a caller that knows them unchanged: the same immutable array as when it
         wrote them); its record, or None where the previous step has no such file or it cannot
-        be linked (nothing is made then, and the caller writes the bytes)."""
+        be linked (nothing is made then, and the caller writes the bytes).
+
+        `ranges` are parts of the file that must hold content of their own, (name, offset,
+        bytes, XXH3-128), as an index read from the checkpoint says (the train state's packs):
+        they are checked on the same read as the whole file, whether or not this process knows
+        the file, and the file is linked only if every one holds (else a warning names it)."""
         if (size, digest) not in self._reusable:
             return None
         self._reserve(relpath)
         linked = False
         try:
-            linked = self._reuse_file(relpath, size, digest)
+            linked = self._reuse_file(relpath, size, digest, ranges)
         finally:
             with self._written_lock:
                 if linked:
@@ -481,20 +488,27 @@ class Destination(abc.ABC):
                     del self._written[relpath]  # the caller may write it
         return record if linked else None
 
-    def _reuse_file(self, relpath: str, size: int, digest: str) -> bool:
+    def _reuse_file(self, relpath: str, size: int, digest: str, ranges: Ranges = ()) -> bool:
         """Whether `relpath` is now a link to a file of the previous step with this content."""
         source_relpath = self._reusable.get((size, digest))
         source = self._reuse_source
         if source_relpath is None or source is None:
             return False
-        return self._link(relpath, source, source_relpath, size, digest)
+        return self._link(relpath, source, source_relpath, size, digest, ranges)
 
     def _link(
-        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+        self,
+        relpath: str,
+        source: Source,
+        source_relpath: str,
+        size: int,
+        digest: str,
+        ranges: Ranges = (),
     ) -> bool:
         """Make `relpath` the previous step's file `source_relpath` (`size` bytes, content hash
-        `digest`) without writing it (a hard link on disk, a server-side copy in a bucket);
-        False where that cannot be done (then the caller writes)."""
+        `digest`, holding `ranges`: see `link_known`) without writing it (a hard link on disk,
+        a server-side copy in a bucket); False where that cannot be done (then the caller
+        writes)."""
         return False
 
     def _wrote(self, relpath: str, size: int, digest: str, stored: Any) -> None:
@@ -753,15 +767,22 @@ class LocalDestination(Destination):
         return os.open(self.directory / relpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     def _link(
-        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+        self,
+        relpath: str,
+        source: Source,
+        source_relpath: str,
+        size: int,
+        digest: str,
+        ranges: Ranges = (),
     ) -> bool:
         """A hard link to the previous step's file, if it is a regular file of `size` bytes,
-        inside its step (no link on the way, `LocalSource.open`), whose content is `digest`.
+        inside its step (no link on the way, `LocalSource.open`), whose content is `digest`
+        and holds `ranges`.
 
         The content is trusted without reading it only for a file this process wrote (or read
-        and hashed) before, unchanged since (same device, inode, size and mtime: `_KNOWN`);
-        any other file is read and hashed once first, so a damaged file of an older step is
-        written afresh rather than passed on to every later step. The link is made by name,
+        and hashed) before, unchanged since (same device, inode, size and mtime: `_KNOWN`),
+        and given no `ranges`; any other file is read and hashed once first, so a damaged file
+        of an older step is written afresh rather than passed on to every later step. The link is made by name,
         then checked to be the very file that was checked (same inode, not a link; the checked
         file is held open meanwhile, so its inode number cannot pass to another file): a file
         swapped in between is unlinked again. False, and nothing left, where any of it fails:
@@ -776,13 +797,10 @@ class LocalDestination(Destination):
         try:  # the descriptor stays open until the link is checked: its inode cannot be reused
             checked = os.fstat(fd)
             key = (checked.st_dev, checked.st_ino)
-            if _KNOWN.get(key) != (checked.st_mtime_ns, size, digest):
-                if _hash_fd(fd) != digest:
-                    log.warning(
-                        "cairn: %s does not hold what its manifest records; this save writes "
-                        "the file instead of linking it",
-                        source.describe(source_relpath),
-                    )
+            if ranges or _KNOWN.get(key) != (checked.st_mtime_ns, size, digest):
+                hashes = RangeHashes(ranges)
+                _hash_fd(fd, hashes)
+                if not hashes.hold(digest, source.describe(source_relpath)):
                     return False
                 _KNOWN.put(key, (checked.st_mtime_ns, size, digest))
             target = self.directory / relpath
@@ -877,12 +895,68 @@ class KnownFiles:
 _KNOWN = KnownFiles()
 
 
-def _hash_fd(fd: int) -> str:
-    digest, at = xxhash.xxh3_128(), 0
-    while piece := os.pread(fd, 4 << 20, at):
-        digest.update(piece)
-        at += len(piece)
-    return digest.hexdigest()
+Ranges = Sequence[tuple[str, int, int, str]]  # (name, offset, bytes, XXH3-128) of a file's bytes
+
+
+class RangeHashes:
+    """The content hash of a file and of `ranges` of it (see `Destination.link_known`), fed
+    the file's bytes in order, a block at a time (ranges may overlap: an index that lies)."""
+
+    def __init__(self, ranges: Ranges = ()) -> None:
+        self.whole = xxhash.xxh3_128()
+        self.ranges = sorted(ranges, key=lambda r: r[1])
+        self._parts = [xxhash.xxh3_128() for _ in self.ranges]
+        self._at = self._first = 0  # bytes fed; the first range that may not have ended
+
+    def update(self, block: memoryview) -> None:
+        lo, hi = self._at, self._at + block.nbytes
+        self.whole.update(block)
+        for i in range(self._first, len(self.ranges)):
+            _, offset, nbytes, _ = self.ranges[i]
+            if offset >= hi:
+                break
+            a, b = max(offset, lo), min(offset + nbytes, hi)
+            if a < b:
+                self._parts[i].update(block[a - lo : b - lo])
+        while self._first < len(self.ranges) and sum(self.ranges[self._first][1:3]) <= hi:
+            self._first += 1
+        self._at = hi
+
+    def hold(self, digest: str, where: str) -> bool:
+        """Whether the bytes fed hash to `digest` and each range to its own; a warning naming
+        `where` (the file) and what does not hold, otherwise."""
+        if self.whole.hexdigest() != digest:
+            log.warning(
+                "cairn: %s does not hold what its manifest records; this save writes the file "
+                "afresh",
+                where,
+            )
+            return False
+        for (name, offset, nbytes, want), got in zip(self.ranges, self._parts, strict=True):
+            if offset + nbytes > self._at or got.hexdigest() != want:
+                log.warning(
+                    "cairn: %s, chunk %s (bytes %d..%d) %s; this save writes the chunks that "
+                    "the step's index places in that file afresh",
+                    where,
+                    name,
+                    offset,
+                    offset + nbytes,
+                    NOT_THE_CHUNK,
+                )
+                return False
+        return True
+
+
+def _hash_fd(fd: int, hashes: RangeHashes | None = None) -> str:
+    """The content hash of an open file, read 4 MiB at a time into one buffer (fed to
+    `hashes` too, if given)."""
+    hashes = hashes or RangeHashes()
+    buffer = memoryview(bytearray(4 << 20))
+    at = 0
+    while n := os.preadv(fd, [buffer], at):
+        hashes.update(buffer[:n])
+        at += n
+    return hashes.whole.hexdigest()
 
 
 def _address(view: memoryview) -> int:

@@ -22,7 +22,6 @@ pool on disk), and an incremental save links whole packs of the previous step.
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -326,36 +325,6 @@ def _holds(packed: Packed, data: memoryview) -> bool:
     digest = xxhash.xxh3_128()
     _update(digest, data, hold=packed.nbytes <= _HOLD_GIL_UP_TO)
     return bool(digest.hexdigest() == packed.xxh3_128)
-
-
-def check_chunks(stored: StoredItem, chunks: Mapping[str, Packed], threads: int = 4) -> list[str]:
-    """Read each chunk of `chunks` (vpath -> where the index puts it) from its pack, a run at a
-    time on `threads` threads, and check it against the content hash the index records: the
-    problems found, each naming the pack file and the chunk, or the run that could not be read.
-
-    A pack whose whole-file hash is intact can still be lied about by its index (an entry that
-    points a chunk at other bytes of the pack): this is what finds it without a restore
-    (``verify``, and an incremental save before it links a pack it did not write)."""
-    problems: list[str] = []
-
-    def one(run: list[tuple[Packed, str]]) -> None:
-        start = run[0][0].offset
-        scratch = memoryview(bytearray(run[-1][0].offset + run[-1][0].nbytes - start))
-        parts = [(p, scratch[p.offset - start : p.offset - start + p.nbytes]) for p, _ in run]
-        try:
-            _read_run(stored, parts)  # a run's chunks do not overlap (`runs`)
-        except (CorruptCheckpointError, OSError) as e:
-            problems.append(str(e))
-            return
-        for (packed, vpath), (_, data) in zip(run, parts, strict=True):
-            if not _holds(packed, data):
-                problems.append(
-                    stored.chunk_problem(packed.pack, vpath, packed.offset, packed.nbytes)
-                )
-
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="cairn-check") as pool:
-        list(pool.map(one, runs([(p, vpath) for vpath, p in chunks.items()])))
-    return sorted(problems)
 
 
 _RUN_BYTES = 4 * _MiB  # the most one read of several chunks takes (`runs`)

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import logging
 import math
 import sys
 import threading
@@ -49,7 +48,6 @@ from cairn.handlers._optional import optional
 from cairn.handlers._packs import (
     PACK_BYTES,
     Packed,
-    check_chunks,
     group,
     group_staged,
     is_packed,
@@ -82,8 +80,6 @@ from cairn.handlers._tree import (
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
 __all__ = ["LazyArray", "TrainStateHandler", "TrainStateRestore"]
-
-log = logging.getLogger("cairn")
 
 KeyPathPredicate = Callable[[KeyPath], bool]
 Transform = Callable[[Any, Any], Any]
@@ -345,16 +341,18 @@ class _StateSnapshot:
             staged, views = self._match_previous(
                 previous, staged, views, slab, unchanged, digests, workers
             )
-        to_link = {p: uses for p, uses in unchanged.items() if _worth_linking(uses)}
-        if to_link and not self._previous and not _index_holds(dest, to_link, workers):
-            to_link = {}  # that step's index lies: write it all afresh
         records: list[FileRecord] = []
         placed: dict[str, Packed] = {}
-        for pack_path, uses in unchanged.items():
+        for uses in unchanged.values():
             pack = uses[0][1].pack_record
             linked = None
-            if pack_path in to_link:
-                linked = dest.link_known(pack.path, pack.size, pack.xxh3_128)
+            if 2 * sum(use[1].nbytes for use in uses) >= pack.size and pack.xxh3_128:
+                # An index read from the checkpoint is not taken at its word: the chunks kept
+                # are checked in the pack (once: what this save writes is remembered).
+                ranges = [(v, was.offset, was.nbytes, was.xxh3_128) for v, was, _ in uses]
+                linked = dest.link_known(
+                    pack.path, pack.size, pack.xxh3_128, () if self._previous else ranges
+                )
             if linked is not None:
                 records.append(linked)
                 for use in uses:
@@ -788,39 +786,6 @@ def _previous_chunks(dest: Destination, process: int) -> Mapping[str, Packed]:
         return load_index(stored, process)
     except (CorruptCheckpointError, OSError):
         return {}
-
-
-def _worth_linking(uses: Sequence[tuple[str, Packed, Any]]) -> bool:
-    """Whether a previous pack is linked for its unchanged chunks `uses`: they hold at least
-    half its bytes (else they are written again, so that no step keeps a pack mostly for chunks
-    no step uses), and its content hash is known."""
-    pack = uses[0][1].pack_record
-    return 2 * sum(use[1].nbytes for use in uses) >= pack.size and bool(pack.xxh3_128)
-
-
-def _index_holds(
-    dest: Destination, packs: Mapping[str, Sequence[tuple[str, Packed, Any]]], workers: int
-) -> bool:
-    """Whether the chunks that an incremental save would keep in the newest step's packs, as
-    that step's index (read from the checkpoint, not written by this process) places them,
-    are the bytes their content hashes say: each is read from its pack and hashed once, so a
-    lying index (an entry pointing at other bytes of an intact pack) is never copied into the
-    new step. Where one is not, a warning names it, and the save links none of that step's
-    packs. What this save writes is remembered, so the next save of the process trusts it."""
-    stored = dest.previous()
-    if stored is None:
-        return False
-    problems = check_chunks(
-        stored, {vpath: where for uses in packs.values() for vpath, where, _ in uses}, workers
-    )
-    if problems:
-        log.warning(
-            "cairn: the newest step's index does not hold for %d chunk(s) (%s); this save "
-            "writes those chunks afresh instead of linking that step's packs",
-            len(problems),
-            problems[0],
-        )
-    return not problems
 
 
 def _raw(part: np.ndarray, want: np.dtype) -> np.ndarray:

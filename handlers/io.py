@@ -8,7 +8,8 @@ a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Thre
 processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`, `fsync_path`.
 Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
 kept across saves), `WriteBudget` (``max_write_bytes_per_s``), `KnownFiles` (what incremental
-saves know of files written before).
+saves know of files written before), `RangeHashes` (a file's content hash and its `Ranges`', on
+one read, before an incremental save links it).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
@@ -26,6 +27,8 @@ from cairn.handlers._files import (
     KnownFiles,
     LocalDestination,
     LocalSource,
+    RangeHashes,
+    Ranges,
     Source,
     StoredItem,
     WriteBudget,
@@ -66,6 +69,8 @@ __all__ = [
     "KnownFiles",
     "LocalDestination",
     "LocalSource",
+    "RangeHashes",
+    "Ranges",
     "Slab",
     "Source",
     "StagingPool",

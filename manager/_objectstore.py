@@ -41,7 +41,7 @@ from cairn.handlers.errors import (
     DirectoryLockedError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import KnownFiles, check_relative, content_hash, optional
+from cairn.handlers.io import KnownFiles, RangeHashes, Ranges, check_relative, optional
 from cairn.manager import _servercopy
 from cairn.manager._format import (
     LOCK,
@@ -870,12 +870,19 @@ class _KvDestination(Destination):
         _KNOWN.put((self._storage.store.where, self._prefix + relpath), (stored, size, digest))
 
     def _link(
-        self, relpath: str, source: Source, source_relpath: str, size: int, digest: str
+        self,
+        relpath: str,
+        source: Source,
+        source_relpath: str,
+        size: int,
+        digest: str,
+        ranges: Ranges = (),
     ) -> bool:
         """A server-side copy of the previous step's object (`ObjectStore.copy`), made only
         from the object at the generation whose content is known to be `digest`: one this
         process wrote, copied, or read whole and hashed first (so a replaced or damaged object
-        of an older step is uploaded afresh, not copied on). False where it is not made."""
+        of an older step is uploaded afresh, not copied on), and read whole whenever `ranges`
+        must hold in it (`Destination.link_known`). False where it is not made."""
         store = self._storage.store
         if size < self.COPY_MIN:
             return False
@@ -885,7 +892,7 @@ class _KvDestination(Destination):
             return False
         key = source.key(source_relpath)
         known = _KNOWN.get((store.where, key))
-        if known is not None and known[1:] == (size, digest):
+        if known is not None and known[1:] == (size, digest) and not ranges:
             generation = known[0]
         else:
             try:
@@ -894,12 +901,10 @@ class _KvDestination(Destination):
                 where = source.describe(source_relpath)
                 log.warning("cairn: could not read %s (%s); this save uploads it", where, e)
                 return False
-            if data is None or len(data) != size or content_hash(data) != digest:
-                log.warning(
-                    "cairn: %s does not hold what its manifest records; this save uploads the "
-                    "file instead of copying it",
-                    source.describe(source_relpath),
-                )
+            hashes = RangeHashes(ranges)
+            if data is not None and len(data) == size:
+                hashes.update(memoryview(data))
+            if not hashes.hold(digest, source.describe(source_relpath)):
                 return False
             _KNOWN.put((store.where, key), (generation, size, digest))
         copied = store.copy(key, self._prefix + relpath, generation)

@@ -140,9 +140,9 @@ def test_a_new_process_reads_a_file_once_before_linking_it(tmp_path: Path) -> No
     reads = []
     real = _files._hash_fd
 
-    def counting(fd: int) -> str:
+    def counting(fd: int, hashes: Any = None) -> str:
         reads.append(fd)
-        return real(fd)
+        return real(fd, hashes)
 
     _files._hash_fd = counting  # type: ignore[assignment]
     try:

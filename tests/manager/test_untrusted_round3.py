@@ -104,8 +104,9 @@ def test_an_index_that_lies_is_not_carried_into_the_next_step(
 ) -> None:
     """Case 1: step 1's index points `a` at `b`'s bytes of its intact pack. A new manager's
     incremental save of the correct state (it has no memory of step 1) checks the chunks it
-    would keep before it links the pack: it warns, naming the pack, and writes the chunks
-    afresh, so step 2 restores; the next save trusts what this one wrote."""
+    would keep in the pack on the read that checks the pack before linking it: it warns,
+    naming the pack and the chunk, and writes the chunks afresh, so step 2 restores; the next
+    save trusts what this one wrote."""
     with CheckpointManager(where, handlers=packed(), incremental=True) as mgr:
         mgr.save(1, {"state": state()})
     files = Files(where)
@@ -116,8 +117,8 @@ def test_an_index_that_lies_is_not_carried_into_the_next_step(
         with caplog.at_level(logging.WARNING, "cairn"):
             mgr.save(2, {"state": state()})
             mgr.wait_until_finished()
-        assert "the newest step's index does not hold" in caplog.text
-        assert "checkpoint_1/state/packs/0." in caplog.text and "chunk arrays/0/" in caplog.text
+        assert "chunk arrays/0/0 (bytes 1048576..2097152) is not the chunk the index" in caplog.text
+        assert "checkpoint_1/state/packs/0." in caplog.text
         got = mgr.restore(2, fallback=False)["state"]
         np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(state()["a"]))
         assert mgr.verify(2) == []
@@ -127,7 +128,7 @@ def test_an_index_that_lies_is_not_carried_into_the_next_step(
         with caplog.at_level(logging.WARNING, "cairn"):
             mgr.save(3, {"state": state()})  # links step 2's pack, which this process wrote
             mgr.wait_until_finished()
-        assert "does not hold" not in caplog.text
+        assert "is not the chunk" not in caplog.text
         assert set(mgr.info(2).items["state"].files) & set(mgr.info(3).items["state"].files) - {
             "packs/index.0.json",
             "tree.json",
