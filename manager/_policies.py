@@ -53,8 +53,9 @@ class SaveContext:
 
     `latest_step`: the newest committed (or in-flight) step, None if there is none.
     `last_save_time`: wall-clock time (time.time()) the last save started, else the newest step's
-    save time read from its manifest, else None. `now`: the current time. `preempted`: the job
-    was told to stop (SIGTERM, or JAX's preemption sync point reached at this step).
+    save time read from its manifest (no later than now), else None; measured on the monotonic
+    clock (`LastSave`). `now`: the current time. `preempted`: the job was told to stop (SIGTERM,
+    or JAX's preemption sync point reached at this step).
     """
 
     latest_step: int | None

@@ -45,6 +45,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import tracemalloc
 from collections.abc import Callable, Iterator, Mapping
@@ -283,6 +284,49 @@ def build_packed_template(path: Path) -> Template:
     write_run(path / "root", (1, 2, 3), handlers=PACKED)
     write_sentinel(path / "sentinel")
     return scan_template(path, "packed")
+
+
+def _t5x_state_dict(step: int) -> dict[str, Any]:
+    """A T5X state dict as T5X writes it: 2-D params in zarr arrays, the rest in the msgpack
+    file, `big` (800 bytes) as a flax chunked array of 256-byte chunks."""
+    return {
+        "target": {
+            "encoder": {
+                "kernel": np.full((4, 8), step, np.float32),
+                "bias": np.arange(8, dtype=np.float32) * step,
+                "big": np.arange(200, dtype=np.float32) + step,
+            }
+        },
+        "state": {
+            "step": np.asarray(step, np.int32),
+            "param_states": {"encoder": {"bias": {"v": np.ones(8, np.float32)}}},
+        },
+    }
+
+
+def t5x_train_state() -> dict[str, Any]:
+    """What a trainer restores a T5X step into (T5X's Checkpointer's train state)."""
+    return {
+        "step": np.asarray(0, np.int32),
+        "params": {
+            "encoder": {
+                "kernel": np.zeros((4, 8), np.float32),
+                "bias": np.zeros(8, np.float32),
+                "big": np.zeros(200, np.float32),
+            }
+        },
+        "opt_state": {"encoder": {"bias": {"v": np.zeros(8, np.float32)}}},
+    }
+
+
+def build_t5x_template(path: Path) -> Template:
+    """Steps in T5X's own layout (manager/_t5x_legacy.py reads them), as T5X writes them."""
+    from t5x_legacy_writer import write_legacy_step
+
+    for step in (100, 200):
+        write_legacy_step(path / "root", _t5x_state_dict(step), chunk_bytes=256)
+    write_sentinel(path / "sentinel")
+    return scan_template(path, "t5x")
 
 
 def _tree(step: int) -> dict[str, Any]:
@@ -908,11 +952,12 @@ def byte_mutations(t: Template) -> st.SearchStrategy[Mutation]:
         strategies.append(
             st.sampled_from(stale).map(lambda p: mutation("bytes.stale", p[0], source=p[1]))
         )
-    strategies.append(
-        st.tuples(st.sampled_from(sorted(t.listed)), st.sampled_from(files)).map(
-            lambda p: mutation("bytes.replace", p[0], source=p[1])
+    if t.listed:  # (none in a directory of T5X's own steps)
+        strategies.append(
+            st.tuples(st.sampled_from(sorted(t.listed)), st.sampled_from(files)).map(
+                lambda p: mutation("bytes.replace", p[0], source=p[1])
+            )
         )
-    )
     return st.one_of(*strategies)
 
 
@@ -923,6 +968,9 @@ def metadata_mutations(t: Template) -> st.SearchStrategy[Mutation]:
     datas = [f for f in t.json_files if f.endswith("data.json") and f in t.listed]
     metrics = [name + "/" + METRICS for name in t.steps.values()]
     states = [f for f in t.json_files if re.search(r"/process_\d+-of-\d+\.json$", f)]
+    indexes = [
+        f for f in t.json_files if re.search(r"/packs/index\.\d+\.json$", f) and f in t.listed
+    ]
 
     @st.composite
     def tree(draw: st.DrawFn) -> Mutation:
@@ -1063,12 +1111,25 @@ def metadata_mutations(t: Template) -> st.SearchStrategy[Mutation]:
             value=draw(st.sampled_from(values[field])),
         )
 
+    @st.composite
+    def index_lie(draw: st.DrawFn) -> Mutation:
+        """An index entry moved to other bytes of its pack (or another pack) with its content
+        hash kept and the index's record recomputed: each file is intact on its own."""
+        return mutation(
+            "index.lie",
+            draw(st.sampled_from(indexes)),
+            pick=draw(st.integers(0, 10**6)),
+            to=draw(st.sampled_from(["other chunk", "shifted", "other pack", "past the end"])),
+            by=draw(st.integers(1, 64)),
+        )
+
     present = [
         (trees, tree()),
         (zarrs, zarr()),
         (datas, data()),
         (metrics, metrics_edit()),
         (states, state()),
+        (indexes, index_lie()),
     ]
     return st.one_of(any_json(), *(strategy for where, strategy in present if where))
 
@@ -1164,7 +1225,9 @@ def fs_mutations(t: Template) -> st.SearchStrategy[Mutation]:
     @st.composite
     def lock(draw: st.DrawFn) -> Mutation:
         what = draw(
-            st.sampled_from(["link", "dir", "missing", "fifo" if FIFOS else "link", "dangling"])
+            st.sampled_from(
+                ["link", "dir", "missing", "fifo" if FIFOS else "link", "dangling", "hardlink"]
+            )
         )
         return mutation(
             "fs.lock",
@@ -1252,6 +1315,70 @@ def tfdata_mutations(t: Template) -> st.SearchStrategy[Mutation]:
     return st.one_of(crafted, header)
 
 
+# Map keys and values a stranger's msgpack file may hold where flax writes "0".."n-1" and arrays.
+T5X_KEYS = ["\u00b2", "9" * 5000, "-1", "", " 0", "0" * 30, "\x1b[31m", "../x", "1e3", "\u0663"]
+_DEEP_MSGPACK = b"\x91" * 100_000 + b"\xc0"  # a list in a list ... 100,000 deep
+
+
+def _msgpack_weird() -> list[Any]:
+    import msgpack
+
+    ext = msgpack.ExtType
+    return [
+        None,
+        True,
+        -1,
+        2**63 - 1,
+        -(2**63),
+        1.5,
+        float("nan"),
+        "",
+        "x" * 10_000,
+        b"bytes",
+        [],
+        {},
+        {"__msgpack_chunked_array__": True, "shape": [2**40], "chunks": {"0": 1}},
+        {"__msgpack_chunked_array__": True, "shape": "x", "chunks": []},
+        ext(1, b"not msgpack"),
+        ext(1, msgpack.packb(([2**40, 8], "float32", b""))),
+        ext(1, msgpack.packb(([-1], "float32", b""))),
+        ext(1, msgpack.packb(([2], "object", b"12345678"))),
+        ext(2, b"\x00"),
+        ext(3, b"junk"),
+        ext(9, b""),
+        {"driver": "zarr", "kvstore": {"driver": "file", "path": "../../sentinel/run"}},
+        {"driver": "zarr", "kvstore": {"driver": "memory", "path": "x"}},
+    ]
+
+
+T5X_WHOLE = [
+    _DEEP_MSGPACK,
+    b"\xdf\xff\xff\xff\xff",  # a map that says it has 4 billion entries, and ends
+    b"\xdd\xff\xff\xff\xff",  # the same for a list
+    b"\xc6\xff\xff\xff\xff",  # 4 GiB of bin, not there
+    b"\x82\xa7version\x03\xa9optimizer" + b"\x91" * 5000 + b"\xc0",
+    b"",
+]
+
+
+def t5x_mutations(t: Template) -> st.SearchStrategy[Mutation]:
+    """T5X's msgpack file edited node by node (odd chunk and map keys, values of every kind,
+    ext types that lie), or replaced by crafted bytes."""
+    files = sorted(f for f in t.files if f.endswith("/checkpoint"))
+    kinds = ["chunk_key", "map_key", "value", "whole"]
+    return st.builds(
+        lambda target, kind, pick, key, value, whole: mutation(
+            f"t5x.{kind}", target, pick=pick, key=key, value=value, whole=whole
+        ),
+        st.sampled_from(files),
+        st.sampled_from(kinds),
+        st.integers(0, 10**6),
+        st.sampled_from(T5X_KEYS),
+        st.integers(0, len(_msgpack_weird()) - 1),
+        st.integers(0, len(T5X_WHOLE) - 1),
+    )
+
+
 @st.composite
 def _half_and_half(
     draw: st.DrawFn, first: st.SearchStrategy[Mutation], second: st.SearchStrategy[Mutation]
@@ -1267,6 +1394,8 @@ def mutations(t: Template) -> st.SearchStrategy[Mutation]:
         return _half_and_half(speechbrain_mutations(t), st.one_of(*families))
     if t.family == "tfdata":  # the native decoder is what this family is for (the rest of
         return tfdata_mutations(t)  # its directory is what the cairn family fuzzes)
+    if t.family == "t5x":  # half the cases: T5X's msgpack file; the rest its bytes and entries
+        return _half_and_half(t5x_mutations(t), st.one_of(byte_mutations(t), fs_mutations(t)))
     return st.one_of(*families)
 
 
@@ -1520,6 +1649,37 @@ def _apply_json_file(case: Case, m: Mutation) -> None:
         (case.root / m.target).write_bytes(data)
 
 
+def _apply_index(case: Case, m: Mutation) -> None:
+    """`index.lie`; the step must be found damaged when the bytes the entry now names are not
+    the chunk its hash says (or lie outside its pack): `verify` and `restore` read them."""
+    index = case.read_json(m.target)
+    chunks = index["chunks"]
+    names = sorted(chunks)
+    name = names[m.param("pick") % len(names)]
+    pack, offset, nbytes, digest = chunks[name]
+    step, item, _ = case.template.listed[m.target]
+    item_dir = case.root / case.template.steps[step] / item
+    packs = sorted({entry[0] for entry in chunks.values()})
+    size = (item_dir / pack).stat().st_size
+    to = m.param("to")
+    if to == "other chunk":
+        others = [chunks[n] for n in names if n != name and chunks[n][0] == pack]
+        if others:
+            offset = others[m.param("pick") % len(others)][1]
+    elif to == "shifted":
+        offset += m.param("by")
+    elif to == "other pack" and len(packs) > 1:
+        pack = packs[(packs.index(pack) + 1) % len(packs)]
+    elif to == "past the end":
+        offset = size - nbytes + m.param("by")
+    chunks[name] = [pack, offset, nbytes, digest]
+    case.rewrite_listed(m.target, json.dumps(index).encode())
+    path = item_dir / pack
+    data = path.read_bytes()[offset : offset + nbytes] if path.is_file() else b""
+    if len(data) != nbytes or xxhash.xxh3_128_hexdigest(data) != digest:
+        case.expect.damaged.add(step)
+
+
 def _apply_metrics(case: Case, m: Mutation) -> None:
     path = case.root / m.target
     whole = m.param("whole")
@@ -1593,6 +1753,9 @@ def _apply_fs(case: Case, m: Mutation) -> None:
             os.symlink(case.sentinel_path(m.param("to"), m.param("absolute"), path.parent), path)
         elif what == "dangling":
             os.symlink(str(case.sentinel / "no-such-lock"), path)
+        elif what == "hardlink":  # tar and rsync -H keep them; the sentinel is on this disk
+            target = case.sentinel / m.param("to")
+            os.link(target / "c.txt" if target.is_dir() else target, path)
         elif what == "dir":
             path.mkdir()
         elif what == "fifo":
@@ -1627,6 +1790,38 @@ def _apply_tfdata(case: Case, m: Mutation) -> None:
     case.rewrite_listed(m.target, bytes(data))
 
 
+def _apply_t5x(case: Case, m: Mutation) -> None:
+    import msgpack
+
+    path = case.root / m.target
+    kind = m.kind.split(".", 1)[1]
+    if kind == "whole":
+        path.write_bytes(T5X_WHOLE[m.param("whole")])
+        return
+    body = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    nodes = [p for p in _walk_msgpack(body) if p]
+    if kind == "chunk_key":
+        chunked = [p for p in nodes if p[-1] == "chunks" and isinstance(_get(body, p), dict)]
+        nodes = [(*p, k) for p in chunked for k in _get(body, p)] or nodes
+    where = nodes[m.param("pick") % len(nodes)]
+    parent = _get(body, where[:-1])
+    if kind in ("chunk_key", "map_key") and isinstance(parent, dict):
+        parent[m.param("key")] = parent.pop(where[-1])
+    else:
+        parent[where[-1]] = _msgpack_weird()[m.param("value")]
+    path.write_bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def _walk_msgpack(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk_msgpack(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk_msgpack(v, (*path, i))
+
+
 def _apply_yaml(case: Case, m: Mutation) -> None:
     (case.root / m.target).write_bytes(m.param("text").encode("utf-8", "surrogateescape"))
 
@@ -1642,6 +1837,8 @@ APPLY: dict[str, Callable[[Case, Mutation], None]] = {
     "json.edit": _apply_json_file,
     "state.edit": _apply_json_file,
     "metrics.edit": _apply_metrics,
+    "index.lie": _apply_index,
+    "t5x": _apply_t5x,
     "fs": _apply_fs,
 }
 
@@ -1908,6 +2105,10 @@ def _reads(runner: Runner, mgr: CheckpointManager, expect: Expect) -> None:
 
 
 def _writes(runner: Runner, root: str, prefix: str) -> None:
+    """A writer's start, an incremental save of the state the template's newest step holds (so
+    that it links or copies what that step's manifest and indexes say is unchanged), late
+    metrics and a restore. The saved step must restore as what was saved: a crafted record or
+    index of the step before may cost a link, never the new step (issue 42)."""
     writer = runner.attempt(
         "open writable",
         CheckpointManager,
@@ -1916,25 +2117,65 @@ def _writes(runner: Runner, root: str, prefix: str) -> None:
         keep_items=KEEP_ITEMS,
         handlers=PACKED if runner.case.template.family == "packed" else HANDLERS,
         step_prefix=prefix,
+        incremental=True,
     )
     if writer is FAILED:
         return
     try:
         steps = runner.attempt("writer all_steps", writer.all_steps)
         new = max(steps, default=0) + 1 if steps is not FAILED else 100
-        runner.attempt(
+        state = _state(max(runner.case.template.steps))
+        saved = runner.attempt(
             f"save({new})",
             writer.save,
             new,
-            {"state": _state(new), "config": {"lr": 0.2}, "extra": {"x": np.ones(3)}},
+            {"state": state, "config": {"lr": 0.2}, "extra": {"x": np.ones(3)}},
             metrics={"loss": 0.01},
             force=True,
         )
-        runner.attempt("wait_until_finished", writer.wait_until_finished)
+        done = runner.attempt("wait_until_finished", writer.wait_until_finished)
+        if saved is True and done is not FAILED:
+            got = runner.attempt(f"restore({new}), saved", writer.restore, new, {"state": None})
+            if got is FAILED or not _same_tree(got["state"], state):
+                runner.fail(
+                    f"save({new}): the incremental save of a known state made a step that does "
+                    "not restore as that state (something of the step before was carried on)"
+                )
         runner.attempt(f"record_metrics({new})", writer.record_metrics, new, {"eval_loss": 0.5})
         runner.attempt("writer restore()", writer.restore)
     finally:
         runner.attempt("close writable", writer.close)
+
+
+def _same_tree(got: Any, want: Any) -> bool:
+    if isinstance(want, Mapping):
+        return (
+            isinstance(got, Mapping)
+            and set(got) == set(want)
+            and all(_same_tree(got[k], v) for k, v in want.items())
+        )
+    return bool(np.array_equal(np.asarray(got), np.asarray(want)))
+
+
+def _t5x(runner: Runner, root: str) -> None:
+    """What a T5X job and its tools do with a directory of T5X's own steps."""
+    from cairn.manager import t5x as checkpoints
+
+    runner.attempt("t5x all_steps", checkpoints.all_steps, root)
+    runner.attempt("t5x latest_step", checkpoints.latest_step, root)
+    for step in sorted(runner.case.template.steps):
+        runner.attempt(f"load_t5x_checkpoint({step})", checkpoints.load_t5x_checkpoint, root, step)
+    ckpt = runner.attempt(
+        "t5x Checkpointer", checkpoints.Checkpointer, t5x_train_state(), None, root
+    )
+    if ckpt is FAILED:
+        return
+    try:
+        runner.attempt("t5x restore()", ckpt.restore)
+        for step in sorted(runner.case.template.steps):
+            runner.attempt(f"t5x restore(step={step})", ckpt.restore, step=step)
+    finally:
+        runner.attempt("t5x close", ckpt.close)
 
 
 def _speechbrain(runner: Runner, root: str) -> None:
@@ -1995,6 +2236,8 @@ def operations(runner: Runner) -> None:
         if family == "speechbrain":
             _speechbrain(runner, root)
         else:
+            if family == "t5x":
+                _t5x(runner, root)
             _writes(runner, root, prefix)
     cli(runner, "gc", root, "--keep-latest", "1", *options)
     cli(runner, "ls", root, *options)
@@ -2059,7 +2302,22 @@ S3_KEYS = [
     ".cairn.lock",
     ".claim",
 ]
-S3_CONTENTS = ["x", "empty", "manifest", "claim", "lease_expired", "lease_live", "garbage"]
+S3_CONTENTS = [
+    "x",
+    "empty",
+    "manifest",
+    "claim",
+    "lease_expired",
+    "lease_live",
+    "garbage",
+    "lease_infinity",
+    "lease_nan",
+    "lease_1e300",
+    "lease_digits",
+    "lease_deep",
+    "lease_ahead",
+    "lease_pids",
+]
 
 
 def s3_content(kind: str, case: Case) -> bytes:
@@ -2072,6 +2330,14 @@ def s3_content(kind: str, case: Case) -> bytes:
         "lease_expired": b'{"owner": "elsewhere:1:fuzz", "expires": 0}',
         "lease_live": b'{"owner": "elsewhere:1:fuzz", "expires": 1e12}',
         "garbage": b"\x00\xff" * 8,
+        # issue 42: numbers no clock or pid has, JSON deeper than Python parses
+        "lease_infinity": b'{"owner": "elsewhere:1:fuzz", "expires": Infinity}',
+        "lease_nan": b'{"owner": "elsewhere:1:fuzz", "expires": NaN}',
+        "lease_1e300": b'{"owner": "elsewhere:1:fuzz", "expires": 1e300}',
+        "lease_digits": b'{"owner": "elsewhere:1:fuzz", "expires": ' + b"9" * 400 + b"}",
+        "lease_deep": b"[" * 100_000 + b"]" * 100_000,
+        "lease_ahead": json.dumps({"owner": "x:1:fuzz", "expires": time.time() + 9e5}).encode(),
+        "lease_pids": b'{"owner": "here:99999999999999:x", "expires": 1, "writer": 1e20}',
     }[kind]
 
 
@@ -2148,6 +2414,7 @@ BUILDERS: dict[str, Callable[[Path], Template]] = {
     "orbax": build_orbax_template,
     "speechbrain": build_speechbrain_template,
     "tfdata": build_tfdata_template,
+    "t5x": build_t5x_template,
 }
 
 

@@ -78,6 +78,7 @@ def fuzz(family: str, cases: int, *, soak: bool = False) -> Callable[..., None]:
 
 test_fuzz = fuzz("cairn", 80)  # 2000 in the soak
 test_fuzz_packed = fuzz("packed", 30)
+test_fuzz_t5x = fuzz("t5x", 20)
 test_fuzz_orbax = fuzz("orbax", 30)
 test_fuzz_speechbrain = fuzz("speechbrain", 30)
 SOAK_HOURS = pytest.mark.timeout(4 * 3600)
@@ -85,6 +86,7 @@ test_fuzz_soak = pytest.mark.slow(SOAK_HOURS(fuzz("cairn", 2000, soak=True)))
 test_fuzz_packed_soak = pytest.mark.slow(SOAK_HOURS(fuzz("packed", 500, soak=True)))
 test_fuzz_orbax_soak = pytest.mark.slow(SOAK_HOURS(fuzz("orbax", 300, soak=True)))
 test_fuzz_speechbrain_soak = pytest.mark.slow(SOAK_HOURS(fuzz("speechbrain", 300, soak=True)))
+test_fuzz_t5x_soak = pytest.mark.slow(SOAK_HOURS(fuzz("t5x", 300, soak=True)))
 
 
 def fuzz_s3(cases: int, *, soak: bool = False) -> Callable[..., None]:
@@ -259,3 +261,63 @@ KEY_CASES = {
 @pytest.mark.parametrize("mutation", list(KEY_CASES.values()), ids=list(KEY_CASES))
 def test_key_case(workdirs: Iterator[Path], mutation: fz.Mutation) -> None:
     check("cairn", next(workdirs), [mutation])
+
+
+# The attacks issue 42 reports: on the packed layout (the index, and the incremental save that
+# the harness makes of the newest step's state), on the lock, and on an object store's lease.
+PACKED_KEY_CASES = {
+    "42.1: the newest step's index points a chunk at another's bytes": M(
+        "index.lie", "checkpoint_3/state/packs/index.0.json", pick=1, to="other chunk", by=1
+    ),
+    "42.1: an older step's index shifted by a byte": M(
+        "index.lie", "checkpoint_2/state/packs/index.0.json", pick=5, to="shifted", by=1
+    ),
+    "42.1: an entry past the end of its pack": M(
+        "index.lie", "checkpoint_3/state/packs/index.0.json", pick=0, to="past the end", by=3
+    ),
+    "42.2: .cairn.lock a hard link to a file beside the root": M(
+        "fs.lock", fz.LOCK, what="hardlink", to="a.txt", absolute=False
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(PACKED_KEY_CASES.values()), ids=list(PACKED_KEY_CASES))
+def test_packed_key_case(workdirs: Iterator[Path], mutation: fz.Mutation) -> None:
+    check("packed", next(workdirs), [mutation])
+
+
+T5X_KEY_CASES = {
+    "42.5: a chunk key '\u00b2' (a digit to str.isdigit, not to int)": M(
+        "t5x.chunk_key", "checkpoint_200/checkpoint", pick=0, key="\u00b2", value=0, whole=0
+    ),
+    "42.5: a chunk key of 5,000 digits": M(
+        "t5x.chunk_key", "checkpoint_200/checkpoint", pick=1, key="9" * 5000, value=0, whole=0
+    ),
+    "42.5: a msgpack file 100,000 lists deep": M(
+        "t5x.whole", "checkpoint_200/checkpoint", pick=0, key="", value=0, whole=0
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(T5X_KEY_CASES.values()), ids=list(T5X_KEY_CASES))
+def test_t5x_key_case(workdirs: Iterator[Path], mutation: fz.Mutation) -> None:
+    check("t5x", next(workdirs), [mutation])
+
+
+LEASES = ["lease_infinity", "lease_nan", "lease_1e300", "lease_digits", "lease_deep", "lease_ahead"]
+
+
+@pytest.mark.parametrize("content", LEASES)
+def test_s3_lease_key_case(s3_bucket: str, workdirs: Iterator[Path], content: str) -> None:
+    """42.5: a lease object of impossible numbers or 100,000-deep JSON: a damaged lease, taken
+    over with a warning (or, one from a clock far ahead, DirectoryLockedError), never a raw
+    OverflowError or RecursionError."""
+    work = next(workdirs)
+    try:
+        report = fz.run_s3_case(
+            TEMPLATES["cairn"].get(), work, [M("s3.key", fz.LOCK, content=content)], s3_bucket
+        )
+    finally:
+        fz.remove_case(work)
+    if report.failures:
+        pytest.fail("\n  ".join(report.failures), pytrace=False)
