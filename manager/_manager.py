@@ -417,7 +417,9 @@ class CheckpointManager:
         thread (or runs them here when ``async_save=False``, raising their errors directly).
         The train state's copies into staging memory run on while the commit starts writing;
         save() returns once they are done, so the caller may then donate or change its arrays.
-        Raises StepAlreadyExistsError for a committed or in-flight step, with or without `force`.
+        As Orbax: without `force` the policy decides first, and says no for a step that is
+        committed or in flight (False, logged); with `force` such a step raises
+        StepAlreadyExistsError.
         Every argument is checked before anything is captured or written.
         """
         entered, started_at = time.monotonic(), time.time()
@@ -435,11 +437,14 @@ class CheckpointManager:
         for name, obj in items.items():
             with _naming_item(name):
                 handlers[name] = self._handlers.get(name) or handler_for(obj)
+        # Orbax's order: the policy first (False for a step that exists), then the step itself.
+        if not force and not self.should_save(step):
+            if self._catalog.state(step) is not None:
+                log.info("cairn: step %d exists in %s; not saved again", step, self._where)
+            return False
         state = self._catalog.state(step)
         if state is not None:
             raise StepAlreadyExistsError(f"step {step} is already {state} in {self._where}")
-        if not force and not self.should_save(step):
-            return False
 
         waited = time.monotonic()
         self._slots.acquire()  # at most max_pending saves in flight

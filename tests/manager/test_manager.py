@@ -167,16 +167,33 @@ def test_max_pending_bounds_saves_in_flight(
         assert mgr.info(2).telemetry["commit_s"] > 0
 
 
-def test_step_already_exists_with_and_without_force(tmp_path: Path) -> None:
-    """A committed step cannot be saved again, not even with force=True; the disk is unchanged."""
+def test_step_already_exists_with_and_without_force(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A committed step is never saved again. As Orbax (issue 43): without force the policy is
+    asked first and says no, so save() returns False (and logs); with force=True it raises
+    StepAlreadyExistsError. The disk is unchanged either way."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(3, {"s": state(3)})
         mgr.wait_until_finished()
         before = dir_state(tmp_path)
-        for force in (False, True):
-            with pytest.raises(StepAlreadyExistsError, match="step 3 is already committed"):
-                mgr.save(3, {"s": state(4)}, force=force)
+        with caplog.at_level(logging.INFO, "cairn"):
+            assert mgr.save(3, {"s": state(4)}) is False
+        assert "step 3 exists" in caplog.text
+        with pytest.raises(StepAlreadyExistsError, match="step 3 is already committed"):
+            mgr.save(3, {"s": state(4)}, force=True)
         assert dir_state(tmp_path) == before
+
+
+def test_a_loop_that_saves_its_last_step_again_goes_on(tmp_path: Path) -> None:
+    """MaxText's completion save: the last step, a multiple of the period, is saved again at
+    the end with force=False. Under Orbax that returns False; it must not raise (issue 43)."""
+    with CheckpointManager(tmp_path, save=EveryNSteps(5)) as mgr:
+        saved = [step for step in range(11) if mgr.save(step, {"s": state(step)})]
+        assert saved == [0, 5, 10]
+        assert mgr.save(10, {"s": state(10)}, force=False) is False  # the completion save
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 5, 10]
 
 
 def test_should_save_and_force(tmp_path: Path) -> None:
