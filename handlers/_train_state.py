@@ -63,6 +63,7 @@ from cairn.handlers._packs import runs as packed_runs
 from cairn.handlers._staging import Lease, Slab, StagingPool, current_staging, round_up
 from cairn.handlers._tree import (
     NONE,
+    PRNG_IMPLS,
     TREE,
     KeyPath,
     check_leaf,
@@ -146,14 +147,18 @@ class LazyArray:
     restore dtype, if any) and caches nothing, as T5X's LazyArray.
     """
 
-    def __init__(self, reader: _LeafReader, dtype: np.dtype) -> None:
+    def __init__(self, reader: _LeafReader, dtype: np.dtype, keys: _Keys | None = None) -> None:
         self._reader = reader
-        self.shape: tuple[int, ...] = reader.shape
-        self.dtype = dtype
+        self._keys = keys
+        self.shape: tuple[int, ...] = reader.shape if keys is None else keys.shape
+        self.dtype: Any = dtype if keys is None else keys.dtype
+        self._read_dtype = dtype  # of the stored data (uint32 key data for keys)
         self.path = reader.path
 
-    def get(self) -> np.ndarray:
-        return self._reader.read().result().astype(self.dtype, copy=False)
+    def get(self) -> Any:
+        """An ``np.ndarray``; for typed PRNG keys, a jax key array."""
+        data = self._reader.read().result().astype(self._read_dtype, copy=False)
+        return data if self._keys is None else self._keys.wrap(data)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.get()
@@ -982,6 +987,9 @@ class TrainStateHandler:
         transfers: list[tuple[list[Any], int, Any, Any]] = []  # pieces, at, coming, shard data
 
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
+            if isinstance(x, jax_array) and _Keys.of(x.dtype):  # typed PRNG keys: their data
+                impl = _Keys.impl_of(x, path)
+                return {**leaf(jax.random.key_data(x), path), "prng": impl}  # type: ignore[union-attr]
             index = len(leaves)
             if isinstance(x, jax_array):
                 shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
@@ -1106,6 +1114,12 @@ class TrainStateHandler:
             full = (*prefix, *path)
             reader = _LeafReader(stored, node, full, index)
             dtype = reader.dtype
+            if "prng" in node:  # typed PRNG keys, stored as their key data
+                keys = _Keys(node["prng"], reader.shape, full, stored)
+                keys.check(target_leaf, path)
+                if opts.where is not None and not opts.where(full):
+                    return None if target_leaf is NONE else target_leaf
+                return LazyArray(reader, dtype, keys)
             saved_from = dtype_from_name(node["saved_from"]) if "saved_from" in node else None
             recast = opts.restore_dtype is not None and _is_float(dtype)
             if recast and (opts.cast is None or opts.cast(full)):
@@ -1544,11 +1558,13 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
     if isinstance(leaf, _Scalar):
         future = leaf.reader.read(batch=batch)
         return lambda: future.result().astype(leaf.dtype, copy=False)[()]
-    reader, dtype = leaf._reader, leaf.dtype
+    reader, dtype, keys = leaf._reader, leaf._read_dtype, leaf._keys
+    wrap = keys.wrap if keys is not None else lambda data: data
     sharding = getattr(target, "sharding", None)
     if sharding is not None and "jax" in sys.modules:
         jax = optional("jax", feature="a JAX train state")
 
+        # Keys' data has the keys' shape and more: a sharding of the keys shards it alike.
         index_map = sharding.addressable_devices_indices_map(reader.shape)
         futures = {
             d: reader.read(_full_index(idx, reader.shape) if idx else (), batch)
@@ -1559,7 +1575,7 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
             arrays = [
                 jax.device_put(f.result().astype(dtype, copy=False), d) for d, f in futures.items()
             ]
-            return jax.make_array_from_single_device_arrays(reader.shape, sharding, arrays)
+            return wrap(jax.make_array_from_single_device_arrays(reader.shape, sharding, arrays))
 
         return assemble
     future = reader.read(batch=batch)
@@ -1573,6 +1589,8 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
 
     def finish() -> Any:
         arr = future.result().astype(dtype, copy=False)
+        if keys is not None:
+            return keys.wrap(arr)
         if as_jax:
             jax = optional("jax", feature="a JAX train state")
 
@@ -1580,6 +1598,71 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
         return arr
 
     return finish
+
+
+class _Keys:
+    """Typed PRNG keys (``jax.random.key``) as a train state stores them: their key data (uint32,
+    the keys' shape and the implementation's own trailing dimensions) in an array leaf whose
+    ``tree.json`` node names the implementation (``"prng"``, `PRNG_IMPLS`); restored as keys
+    of that implementation again (``jax.random.wrap_key_data``)."""
+
+    def __init__(self, impl: str, data_shape: tuple[int, ...], path: KeyPath, stored: StoredItem):
+        self.impl, self.path = impl, path
+        self.dtype, trailing = _key_kind(impl)
+        n = len(trailing)
+        if data_shape[len(data_shape) - n :] != trailing:
+            raise CorruptCheckpointError(
+                f"{stored.describe_file(TREE)}: the PRNG keys at {keystr(path)} have data of "
+                f"shape {data_shape}, which {impl} keys' data does not end in {trailing}"
+            )
+        self.shape = data_shape[: len(data_shape) - n]
+
+    @staticmethod
+    def of(dtype: Any) -> bool:
+        """Whether `dtype` is a typed PRNG key dtype."""
+        jax = sys.modules.get("jax")
+        return jax is not None and bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+    @staticmethod
+    def impl_of(keys: Any, path: KeyPath) -> str:
+        """The name of the implementation of `keys` (a jax key array); TypeError for keys of an
+        implementation jax.random does not name (a custom one), which could not be restored."""
+        jax = optional("jax", feature="typed PRNG keys")
+        impl = str(jax.random.key_impl(keys))
+        if impl not in PRNG_IMPLS or _key_kind(impl)[0] != keys.dtype:
+            raise TypeError(
+                f"the PRNG keys at {keystr(path)} are of implementation {impl!r}; a train state "
+                f"stores keys of {sorted(PRNG_IMPLS)} (or save jax.random.key_data(keys))"
+            )
+        return impl
+
+    def check(self, target: Any, path: KeyPath) -> None:
+        """A target leaf (keys, or their ShapeDtypeStruct) must be keys of this implementation
+        and shape; MismatchError naming the key path otherwise."""
+        if target is NONE or target is None or not hasattr(target, "dtype"):
+            return
+        if not _Keys.of(target.dtype) or target.dtype != self.dtype:
+            raise MismatchError(
+                f"at {keystr(path)}: {self.impl} PRNG keys ({self.dtype}) in the checkpoint, "
+                f"{target.dtype} in the target"
+            )
+        if tuple(target.shape) != self.shape:
+            raise MismatchError(
+                f"at {keystr(path)}: PRNG keys of shape {self.shape} in the checkpoint, "
+                f"{tuple(target.shape)} in the target"
+            )
+
+    def wrap(self, data: Any) -> Any:
+        jax = optional("jax", feature="typed PRNG keys")
+        return jax.random.wrap_key_data(data, impl=self.impl)
+
+
+@functools.cache
+def _key_kind(impl: str) -> tuple[Any, tuple[int, ...]]:
+    """The dtype of `impl` keys and the trailing shape of their data (no key is made)."""
+    jax = optional("jax", feature="typed PRNG keys")
+    keys = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    return keys.dtype, tuple(jax.eval_shape(jax.random.key_data, keys).shape)
 
 
 def _fill_from(state: Any, fallback: Any, target: Any) -> Any:

@@ -189,7 +189,17 @@ def _check_node(node: Any, path: KeyPath, files: set[str], todo: list[tuple[Any,
         raise ValueError(f"unknown node type {t!r:.40}")
 
 
+#: What typed PRNG keys a train state may hold (``"prng"`` of an array node: the stored array
+#: is their key data, uint32): the implementations jax.random names.
+PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+
+
 def _check_array_node(node: dict[str, Any], files: set[str]) -> None:
+    prng = node.get("prng")
+    if prng is not None and (
+        not isinstance(prng, str) or prng not in PRNG_IMPLS or node.get("dtype") != "<u4"
+    ):
+        raise ValueError(f"PRNG keys {prng!r:.40} of {node.get('dtype')!r:.20}: not what jax keeps")
     f, shape = node.get("f"), node.get("shape")
     if not isinstance(f, str) or f in files:
         raise ValueError(f"leaf file {f!r:.80} is missing or used twice")
@@ -382,7 +392,7 @@ def describe_tree(stored: StoredItem, kind: str) -> dict[str, Any]:
     leaves = []
     for path, node in walk_leaves(load_tree(stored)):
         if node["t"] in ("array", "npscalar"):
-            fields = {k: node[k] for k in ("shape", "dtype", "chunk") if k in node}
+            fields = {k: node[k] for k in ("shape", "dtype", "chunk", "prng") if k in node}
             leaves.append({"path": keystr(path), **fields})
         else:
             leaves.append({"path": keystr(path), "value": node.get("v"), "type": node["t"]})
