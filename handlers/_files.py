@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import concurrent.futures
 import contextlib
 import contextvars
 import ctypes
@@ -69,6 +70,15 @@ _HEX128 = re.compile(r"[0-9a-f]{32}")
 
 
 NOT_THE_CHUNK = "is not the chunk the index records (its content hash differs)"
+PROBE_MIN = 1 << 20  # files of an object store whose size `StoredItem.check_files` checks
+
+
+@functools.cache
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 1 << 34
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
@@ -777,7 +787,8 @@ class LocalDestination(Destination):
     ) -> bool:
         """A hard link to the previous step's file, if it is a regular file of `size` bytes,
         inside its step (no link on the way, `LocalSource.open`), whose content is `digest`
-        and holds `ranges`.
+        and holds `ranges`, owned by this user and writable by no one else (others could change
+        it under every step that shares it: a hard link to a file outside the root, say).
 
         The content is trusted without reading it only for a file this process wrote (or read
         and hashed) before, unchanged since (same device, inode, size and mtime: `_KNOWN`),
@@ -797,6 +808,17 @@ class LocalDestination(Destination):
         try:  # the descriptor stays open until the link is checked: its inode cannot be reused
             checked = os.fstat(fd)
             key = (checked.st_dev, checked.st_ino)
+            if checked.st_uid != os.geteuid() or checked.st_mode & 0o022:
+                # cairn writes 0o644 files as this user: one that another user owns, or that
+                # others may write, can change under every step that would share it
+                log.warning(
+                    "cairn: %s is owned by uid %d with mode %s; this save writes it afresh "
+                    "rather than sharing a file that others may change",
+                    source.describe(source_relpath),
+                    checked.st_uid,
+                    stat.filemode(checked.st_mode),
+                )
+                return False
             if ranges or _KNOWN.get(key) != (checked.st_mtime_ns, size, digest):
                 hashes = RangeHashes(ranges)
                 _hash_fd(fd, hashes)
@@ -1296,15 +1318,31 @@ class StoredItem:
 
         For failing early, before anything is parsed or allocated. A symbolic link anywhere on
         the way (the item directory, a subdirectory, the file) is refused: a checkpoint is read
-        from inside its own directory only. A no-op where sizes cost a request each (object
-        stores): there every read checks size and content anyway.
+        from inside its own directory only. Where sizes cost a request each (object stores),
+        sizes are checked only when the files under `prefix` say they hold at least half this
+        host's memory (what a restore would allocate for them could fail or exhaust it), and
+        then only those of at least `PROBE_MIN` bytes, each by reading its last byte (ranged
+        GETs, several at once): so a crafted record cannot make a restore allocate what the
+        bucket does not hold, and smaller restores make no extra request (every read checks
+        size and content anyway).
         """
-        if not self.source.cheap_size or "" in self._checked or prefix in self._checked:
+        if "" in self._checked or prefix in self._checked:
             return
         names = self._sorted_names
+        under = []
         for relpath in names[bisect.bisect_left(names, prefix) :]:
             if not relpath.startswith(prefix):
                 break
+            under.append(relpath)
+        if not self.source.cheap_size:
+            big = [r for r in under if self.files[r].size >= PROBE_MIN]
+            if sum(self.files[r].size for r in under) < _physical_memory() // 2:
+                big = []
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(self._probe, big))
+            self._checked.add(prefix)
+            return
+        for relpath in under:
             record = self.files[relpath]
             with self._reading(relpath):
                 size = self.source.size(relpath)
@@ -1313,6 +1351,16 @@ class StoredItem:
                     f"{self.describe_file(relpath)} has {size} bytes, the manifest says {record.size}"
                 )
         self._checked.add(prefix)  # not done again for the next leaf, nor after the item's
+
+    def _probe(self, relpath: str) -> None:
+        """A file of a source without cheap sizes holds its recorded size: its last byte."""
+        size = self.files[relpath].size
+        with self._reading(relpath):
+            last = self.source.read_at(relpath, size, size - 1, 1)
+        if len(last) != 1:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)} is shorter than the manifest's {size} bytes"
+            )
 
     @functools.cached_property
     def _sorted_names(self) -> list[str]:

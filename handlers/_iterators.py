@@ -31,6 +31,7 @@ from cairn.handlers._files import (
     FileRecord,
     StoredItem,
     as_destination,
+    writing_as,
     writing_process,
 )
 from cairn.handlers._optional import optional
@@ -141,6 +142,18 @@ class _PerProcessHandler:
                 f"the saved state (a different pipeline?): {type(e).__name__}: {e}"
             ) from e
 
+    def check(self, stored: StoredItem) -> None:
+        """Every process's file decodes as a restore without a target decodes it (``verify``);
+        CorruptCheckpointError naming the file otherwise."""
+        for relpath in sorted(stored.files):
+            match = _PROCESS_FILE.match(relpath)
+            if match is None:
+                continue
+            index, count = int(match.group(1)), int(match.group(2))
+            if relpath == f"process_{index}-of-{count}{self._suffix}" and index < count:
+                with writing_as(index, count):  # its messages name that process's file
+                    self._decode(stored.read_bytes(relpath), stored)
+
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         return {
             "kind": self._kind,
@@ -160,16 +173,34 @@ def _no_constant(name: str) -> Any:
 
 _TAG = "__cairn__"
 
+#: The kinds of array a state holds: booleans, integers, floats and complex numbers (ml_dtypes'
+#: too, see `_holdable`), datetimes and timedeltas, bytes and str. Never object or void (a
+#: structured array would come back as raw bytes, without its fields).
+_STATE_KINDS = "biufcMmSU"
+
+
+def _holdable(dtype: np.dtype) -> bool:
+    return dtype.kind in _STATE_KINDS or dtype_name(dtype) != dtype.str  # ml_dtypes: kind "V"
+
+
+def _state_dtype(name: Any) -> np.dtype:
+    """The dtype of a stored array or scalar, if `name` is one `encode_state` writes (its
+    `dtype_name`, of a kind a state holds); ValueError otherwise."""
+    dtype = dtype_from_name(name)  # ValueError for a name that is no dtype
+    if dtype_name(dtype) != name or not _holdable(dtype):
+        raise ValueError(f"dtype {name!r:.40} is not one a saved state holds")
+    return dtype
+
 
 def encode_state(value: Any, path: str = "") -> Any:
     """A JSON value for the state of an object (``get_state()``, ``state_dict()``), which
     `decode_state` turns back into what it was.
 
     Dicts with str keys, lists, str, finite numbers, bool and None stay as they are; NaN and the
-    infinities, tuples, bytes, NumPy arrays and scalars, and dicts with other keys become objects
-    tagged ``"__cairn__"`` (a key no state may use). Anything else is a TypeError naming where it
-    is in the state (`path` prefixes that name). The result goes through ``json.dumps(...,
-    allow_nan=False)``.
+    infinities, tuples, bytes, NumPy arrays and scalars (of numbers, booleans, datetimes, bytes or
+    str: not object or void), and dicts with other keys become objects tagged ``"__cairn__"`` (a
+    key no state may use). Anything else is a TypeError naming where it is in the state (`path`
+    prefixes that name). The result goes through ``json.dumps(..., allow_nan=False)``.
     """
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -181,8 +212,11 @@ def encode_state(value: Any, path: str = "") -> Any:
         return value
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value)
-        if array.dtype.hasobject:
-            raise TypeError(f"state{path}: object arrays cannot be stored")
+        if not _holdable(array.dtype):
+            raise TypeError(
+                f"state{path}: arrays of dtype {array.dtype} cannot be stored (numbers, booleans, "
+                "datetimes, bytes and str only)"
+            )
         return {
             _TAG: "ndarray" if isinstance(value, np.ndarray) else "scalar",
             "dtype": dtype_name(array.dtype),
@@ -220,8 +254,9 @@ def decode_state(value: Any) -> Any:
     """The state `encode_state` gave `value` for, from its JSON (as ``json.loads`` returns it).
 
     Input it did not write (read from a damaged file) raises ValueError (an unknown tag, bad
-    base64, a shape that does not fit), KeyError, TypeError, OverflowError or RecursionError;
-    callers reading from disk report these as CorruptCheckpointError.
+    base64, a dtype it never writes, a shape that does not fit), KeyError, TypeError,
+    OverflowError or RecursionError; callers reading from disk report these as
+    CorruptCheckpointError.
     """
     if isinstance(value, list):
         return [decode_state(v) for v in value]
@@ -234,7 +269,7 @@ def decode_state(value: Any) -> Any:
         return float(value["value"])
     if tag in ("ndarray", "scalar"):
         raw = base64.b64decode(value["data"])
-        array = np.frombuffer(raw, dtype_from_name(value["dtype"])).reshape(value["shape"]).copy()
+        array = np.frombuffer(raw, _state_dtype(value["dtype"])).reshape(value["shape"]).copy()
         return array if tag == "ndarray" else array[()]
     if tag == "bytes":
         return base64.b64decode(value["data"])

@@ -55,6 +55,10 @@ class JsonHandler:
         del target  # JSON comes back as it was saved
         return parse_json(stored.read_bytes(_FILE), stored.describe_file(_FILE))
 
+    def check(self, stored: StoredItem) -> None:
+        """``data.json`` parses (``verify``); CorruptCheckpointError naming it otherwise."""
+        self.restore(stored)
+
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         record = stored.files.get(_FILE)
         return {"kind": "json", "bytes": record.size if record else None}

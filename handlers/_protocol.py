@@ -71,3 +71,10 @@ class Handler(Protocol):
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         """A JSON-serialisable summary of the stored item (structure, shapes, dtypes, sizes)."""
         ...
+
+
+# Optional, besides the protocol: ``check(stored) -> None``, what `restore` would refuse before
+# it reads any data (metadata that does not parse or does not agree with the files' records),
+# as CorruptCheckpointError naming the file. ``verify`` calls it where a handler has it, after
+# it checked every file's content (`TrainStateHandler`, `JsonHandler` and the iterator handlers
+# have it).

@@ -10,8 +10,12 @@ The snapshot (caller's thread) copies every tensor to the CPU, so training may c
 parameters as soon as ``save()`` returns. Restore with a module, optimizer or scheduler as the
 target checks each tensor's shape and dtype against the target's own ``state_dict()`` (a
 MismatchError names the key path) and loads it with ``load_state_dict``, returning the target;
-without a target it returns the state dict (a tensor for a saved tensor). torch is imported only
-when a torch object is saved or such an item restored.
+what ``load_state_dict`` refuses (a key only one side has: torch's message names it) is a
+MismatchError too, with torch's error chained (torch may have loaded the other keys by then). A
+state that cannot be a state dict (not a dict with str keys) is CorruptCheckpointError; a saved
+tensor restored into a module, or a state dict into a tensor, a MismatchError. Without a target
+it returns the state dict (a tensor for a saved tensor). torch is imported only when a torch
+object is saved or such an item restored.
 """
 
 from __future__ import annotations
@@ -146,6 +150,11 @@ class TorchStateHandler:
         if target is None:
             return state
         if isinstance(target, torch.Tensor):
+            if not isinstance(state, torch.Tensor):
+                raise MismatchError(
+                    f"item {stored.name!r}, key '<root>': the checkpoint holds a "
+                    f"{type(state).__qualname__}, the target a tensor"
+                )
             _check(target, state, [], stored)
             with torch.no_grad():
                 target.copy_(state)
@@ -155,8 +164,29 @@ class TorchStateHandler:
                 f"item {stored.name!r}: a target must be a torch module, optimizer, scheduler or "
                 f"tensor, got {type(target).__qualname__}"
             )
+        if isinstance(state, torch.Tensor):
+            raise MismatchError(
+                f"item {stored.name!r}, key '<root>': the checkpoint holds a tensor, the target "
+                f"a {type(target).__qualname__}"
+            )
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            what = "a dict with keys that are not str" if isinstance(state, dict) else None
+            raise CorruptCheckpointError(
+                f"{stored.describe_file(_STRUCTURE)}: the state is "
+                f"{what or 'a ' + type(state).__qualname__}, not a state dict (a dict with str "
+                "keys)"
+            )
         _check(target.state_dict(), state, [], stored)
-        target.load_state_dict(state)
+        try:
+            target.load_state_dict(state)
+        except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # torch's own checks of a well-formed state dict against the target: keys one side
+            # lacks (its message names them), optimizer groups of other sizes, values of the
+            # wrong kind; it may have loaded the other keys by then
+            raise MismatchError(
+                f"item {stored.name!r}: {type(target).__qualname__}.load_state_dict refuses "
+                f"the checkpoint's state: {type(e).__name__}: {e!s:.1000}"
+            ) from e
         return target
 
     def _decode(self, node: Any, keys: list[Any], stored: StoredItem, torch: Any) -> Any:
@@ -169,8 +199,10 @@ class TorchStateHandler:
         if kind == "dict" and isinstance(body, list):
             out = {}
             for entry in body:
-                if not (isinstance(entry, list) and len(entry) == 2) or not isinstance(
-                    entry[0], (str, int)
+                if (
+                    not (isinstance(entry, list) and len(entry) == 2)
+                    or not isinstance(entry[0], (str, int))
+                    or isinstance(entry[0], bool)  # never written: True would be the key 1
                 ):
                     raise CorruptCheckpointError(f"{where}: a dict entry is not [key, node]")
                 out[entry[0]] = self._decode(entry[1], [*keys, entry[0]], stored, torch)

@@ -77,6 +77,7 @@ from cairn.handlers._tree import (
     like,
     load_tree,
     unflatten_custom,
+    walk_leaves,
 )
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
@@ -1154,6 +1155,20 @@ class TrainStateHandler:
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         return describe_tree(stored, "train-state")
+
+    def check(self, stored: StoredItem) -> None:
+        """What a restore of every leaf checks before it allocates anything: ``tree.json`` node
+        by node, each leaf's chunks listed (with its ``zarr.json``) or indexed, at their exact
+        sizes, the data of typed PRNG keys; CorruptCheckpointError naming the file otherwise.
+        ``verify`` calls it after checking every file's content, so a step it calls intact is
+        one a restore takes."""
+        index = load_index(stored) if is_packed(stored) else None
+        for path, node in walk_leaves(load_tree(stored)):
+            if node["t"] in ("array", "npscalar"):
+                reader = _LeafReader(stored, node, path, index)
+                if "prng" in node:
+                    _Keys(node["prng"], reader.shape, path, stored)
+                reader.check()
 
 
 def _storable(dtype: np.dtype, path: KeyPath) -> np.dtype:

@@ -228,15 +228,13 @@ def check_dtype_name(name: Any, what: str) -> np.dtype:
     """The dtype a stored name stands for, if it is one an array handler writes: booleans,
     integers, floats and complex numbers (NumPy's and the ml_dtypes ones). ValueError otherwise
     (an object or string dtype must never come from disk)."""
-    if isinstance(name, str) and name in _ML_DTYPES:
-        return dtype_from_name(name)
-    if isinstance(name, str) and len(name) <= 8:
+    if isinstance(name, str) and (name in _ML_DTYPES or len(name) <= 8):
         try:
-            dtype = np.dtype(name)
-        except TypeError:
+            dtype = dtype_from_name(name)
+        except ValueError:
             pass
         else:
-            if dtype.kind in "biufc" and dtype.str == name:
+            if name in _ML_DTYPES or (dtype.kind in "biufc" and dtype.str == name):
                 return dtype
     raise ValueError(f"{what} {name!r:.40} is not a stored dtype (numbers and booleans only)")
 
@@ -432,9 +430,27 @@ def dtype_name(dtype: np.dtype) -> str:
     return dtype.name if dtype.kind == "V" and dtype.name in _ML_DTYPES else dtype.str
 
 
+#: Longer than any name `dtype_name` writes: a longer one read from a file is not parsed.
+_MAX_DTYPE_NAME = 32
+
+
 def dtype_from_name(name: str) -> np.dtype:
+    """The dtype `dtype_name` wrote as `name`, or any other name NumPy parses (``"float32"``).
+
+    A name read from a file may be anything, and NumPy's parser raises TypeError, ValueError or
+    SyntaxError by the string (``"bogus"``, ``"(2147483648,)f8"``, ``"(1,2"``): every name that
+    is no dtype, and anything not a str, is ValueError here. Whether the dtype is one a reader
+    takes is its own check (`check_dtype_name`: numbers and booleans)."""
+    if not isinstance(name, str) or not 0 < len(name) <= _MAX_DTYPE_NAME:
+        raise ValueError(f"dtype {name!r:.40} is not a dtype's name")
     if name in _ML_DTYPES:
         import ml_dtypes  # a dependency of jax; needed only for bfloat16 and friends
 
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
+        try:
+            return np.dtype(getattr(ml_dtypes, name))
+        except AttributeError:
+            raise ValueError(f"dtype {name!r}: not in this ml_dtypes") from None
+    try:
+        return np.dtype(name)
+    except Exception as e:  # TypeError, ValueError, SyntaxError (ast.literal_eval), ...
+        raise ValueError(f"dtype {name!r:.40} is not understood: {e!s:.100}") from None

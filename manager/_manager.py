@@ -1083,6 +1083,7 @@ class CheckpointManager:
                 except CorruptCheckpointError as e:
                     problems.append(str(e))  # an index whose own file is damaged: said once
                     chunks = {}
+                known = len(problems)
                 for record in manifest.items[name].files:
                     try:
                         problems += stored.check_file(
@@ -1095,6 +1096,8 @@ class CheckpointManager:
                         problems.append(f"{stored.describe_file(record.path)} cannot be read: {e}")
                     if progress is not None:
                         progress(record.size)
+                if len(problems) == known:  # the files hold: what a restore checks before reading
+                    problems += self._check_item(name, manifest.items[name].handler, stored)
             if rec.metrics_error is not None:
                 problems.append(f"step {step}: {rec.metrics_error}")
             if not (self._reread_manifest(step, manifest, live) and problems):
@@ -1102,6 +1105,21 @@ class CheckpointManager:
         raise CorruptCheckpointError(
             f"step {step} in {self._where} changed {_REREADS} times while being verified"
         )
+
+    def _check_item(self, name: str, handler_id: str, stored: StoredItem) -> list[str]:
+        """The item's handler's ``check`` (what a restore refuses before it reads), as problems;
+        none where the handler has no ``check`` or this cairn does not know it."""
+        try:
+            handler = self._handlers.get(name) or handler_by_id(handler_id)
+        except UnsupportedFormatError:
+            return []
+        check = getattr(handler, "check", None)
+        try:
+            if check is not None:
+                check(stored)
+        except CorruptCheckpointError as e:
+            return [str(e)]
+        return []
 
     def describe(self, step: Any) -> dict[str, dict[str, Any]]:
         """What each item of a committed step holds, from its handler's ``describe``: for array

@@ -54,7 +54,7 @@ from cairn.manager._format import (
     unix_time,
 )
 from cairn.manager._storage import Listed, Reclaim
-from cairn.manager._writer import WRITER_WAIT_S, pid_alive, wait_for_orphan
+from cairn.manager._writer import WRITER_WAIT_S, pid_alive, runs_writer, wait_for_orphan
 
 log = logging.getLogger("cairn")
 
@@ -376,7 +376,11 @@ class _Held:
         return (
             trainer is not None
             and pid_alive(trainer) is False
-            and (self.writer is None or pid_alive(self.writer) is False)
+            and (
+                self.writer is None
+                or pid_alive(self.writer) is False
+                or not runs_writer(self.writer)  # a pid reused, or any pid a crafted lease names
+            )
         )
 
 

@@ -94,13 +94,20 @@ def _load_state_dict(path: str | os.PathLike[str]) -> Any:
 
 def _torch_load(path: str | os.PathLike[str], map_location: Any) -> Any:
     """``torch.load`` of a paramfile, data only (no pickled code); a file torch cannot read is
-    CorruptCheckpointError naming it, whatever torch raises for it."""
-    import pickle
+    CorruptCheckpointError naming it, whatever torch raises for it.
 
+    torch's readers raise what a damaged file makes their code hit (IndexError, struct.error,
+    AssertionError, KeyError, TypeError ... for a truncated or edited legacy file), so every
+    Exception but OSError (the file cannot be opened or read: not its content) counts.
+    MemoryError too: torch may try to allocate a size the file claims before finding that the
+    file does not hold it; a genuine file too large for this machine's memory is reported the
+    same way, and the message names the error."""
     torch = optional("torch", feature="loading a torch paramfile")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, UnicodeDecodeError, pickle.UnpicklingError, ValueError) as e:
+    except OSError:
+        raise
+    except Exception as e:  # the file's content: map_location is always "cpu" here
         raise CorruptCheckpointError(
             f"{path}: torch cannot load it: {type(e).__name__}: {e}"
         ) from None
@@ -949,8 +956,15 @@ def _parse_meta(data: bytes) -> Any:
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
         return yaml.load(text, Loader=loader)  # a safe loader: data only
-    except (yaml.YAMLError, ValueError, TypeError) as e:  # also UTF-8, dates, int digits
-        raise CorruptCheckpointError(f"its meta does not parse: {e!s:.300}") from None
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # the file's bytes are all this parses
+        # Besides YAMLError, UTF-8 and int() errors, PyYAML's safe constructors raise whatever
+        # a tagged value that does not fit its tag makes their code hit: KeyError for
+        # `!!bool maybe`, AttributeError for `!!timestamp x`, IndexError for `!!int _`.
+        raise CorruptCheckpointError(
+            f"its meta does not parse: {type(e).__name__}: {e!s:.300}"
+        ) from None
 
 
 def _speechbrain_checkpoint(path: pathlib.Path) -> Checkpoint | None:

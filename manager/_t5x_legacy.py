@@ -199,12 +199,14 @@ class LegacyArray:
         ):
             raise CorruptCheckpointError(f"{where}: the spec's metadata has no valid shape")
         self.shape: tuple[int, ...] = tuple(shape)
-        name = spec.get("dtype")
+        name = spec.get("dtype")  # T5X always writes it: without it a leaf would be float64
+        if name is None:
+            raise CorruptCheckpointError(f"{where}: the spec has no dtype")
         try:
-            self.dtype = dtype_from_name(name) if isinstance(name, str) else None
-        except (TypeError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{where}: dtype {name!r:.50}: {e}") from e
-        if self.dtype is not None and not _numeric(self.dtype):
+            self.dtype: np.dtype = dtype_from_name(name)
+        except ValueError as e:  # any name at all (dtype_from_name's ValueError)
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        if not _numeric(self.dtype):
             raise CorruptCheckpointError(f"{where}: dtype {self.dtype} (numbers only)")
 
     def _check_tree(self) -> Path:
@@ -258,7 +260,7 @@ class LegacyArray:
                 f"{self.where}: {path} says shape {self.shape} of {stored} ({nbytes} bytes), "
                 "more than this machine's memory"
             )
-        if self.dtype is not None and stored != self.dtype:
+        if stored != self.dtype:
             raise CorruptCheckpointError(
                 f"{self.where}: {path} has dtype {stored}, the checkpoint file says {self.dtype}"
             )

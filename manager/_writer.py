@@ -239,6 +239,19 @@ def pid_alive(pid: int) -> bool | None:
     return True
 
 
+def runs_writer(pid: int) -> bool:
+    """Whether process `pid` runs cairn's writer (`_ENTRY`), as far as /proc tells; True where
+    it cannot tell. A lease or lock file is read from the directory: it may name any live pid
+    (pid 1, say), which a new trainer would otherwise wait for in vain."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"cairn.manager._writer" in f.read()
+    except FileNotFoundError:
+        return False  # gone meanwhile
+    except OSError:
+        return True
+
+
 def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
     """If `trainer` (a pid on this host) is gone and `writer`, the writer process it started,
     may still be committing what it was handed, wait up to `timeout` seconds for the writer to
@@ -247,7 +260,7 @@ def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
     that ended, so that it does not clean up the step being committed."""
     if pid_alive(trainer) is not False:  # the trainer lives: it holds the directory
         return False
-    if not pid_alive(writer):
+    if not pid_alive(writer) or not runs_writer(writer):
         return True
     try:
         pidfd = os.pidfd_open(writer)

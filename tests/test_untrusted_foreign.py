@@ -10,10 +10,12 @@ nothing hangs.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 import struct
@@ -411,6 +413,10 @@ BAD_SPEECHBRAIN: dict[str, Callable[[Path, Path], None]] = {
     "not UTF-8": _meta(b"\xff\xfeunixtime: 10.0\n"),
     "a Python object": _meta("unixtime: !!python/object/apply:os.system ['echo pwned']\n"),
     "two documents": _meta(f"{NEWER_META}---\n{NEWER_META}"),
+    # a tag the value does not fit: PyYAML raised KeyError, AttributeError, IndexError (issue 42)
+    "a bool tag on no bool": _meta("end-of-epoch: !!bool maybe\nunixtime: 10.0\n"),
+    "a timestamp tag on no time": _meta(f"{NEWER_META}note: !!timestamp x\n"),
+    "an int tag on no int": _meta(f"{NEWER_META}note: !!int _\n"),
     "meta a link": _link_meta,
     "meta a FIFO": _fifo("CKPT.yaml"),
     "the directory a link": _link_dir,
@@ -458,6 +464,57 @@ def test_a_paramfile_swapped_for_a_link_after_listing_is_refused(tmp_path: Path)
         link_out(found.paramfiles["net"], sentinel)
         with pytest.raises(CorruptCheckpointError, match="is not a regular file inside it"):
             c.load_checkpoint(found)
+    assert torch.all(model.weight == 0.0)
+
+
+def legacy_paramfile(weight: float) -> bytes:
+    """net(weight)'s state dict as torch.save writes it in its legacy (not zip) format."""
+    buffer = io.BytesIO()
+    torch.save(net(weight).state_dict(), buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+def _other_storage_key(data: bytes) -> bytes:
+    match = re.search(rb"Storage\nq.X(.{4})", data, re.DOTALL)  # the weight's storage key
+    assert match is not None
+    size = int.from_bytes(match[1], "little")
+    return data[: match.end()] + b"x" * size + data[match.end() + size :]
+
+
+def _replace(old: bytes, new: bytes) -> Callable[[bytes], bytes]:
+    def edit(data: bytes) -> bytes:
+        assert old in data
+        return data.replace(old, new, 1)
+
+    return edit
+
+
+# Truncations and byte edits of a legacy paramfile (weight [2, 2]: 4 floats), each making
+# torch.load(weights_only=True) raise an error of its own, which escaped as it was (issue 42).
+CRAFTED_PARAMFILES: dict[str, Callable[[bytes], bytes]] = {
+    "cut after 1 byte (IndexError)": lambda data: data[:1],
+    "cut after 18 bytes (struct.error)": lambda data: data[:18],
+    "another storage key (AssertionError)": _other_storage_key,
+    "a memo entry never stored (KeyError)": _replace(b"K\x04Nt", b"K\x04h\x63t"),
+    "a PROTO opcode among a tensor's arguments (TypeError)": _replace(
+        b"QK\x00K\x02K\x02\x86", b"Q\x80\x00K\x02K\x02\x86"
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the PROTO opcode's
+@pytest.mark.parametrize("case", sorted(CRAFTED_PARAMFILES))
+def test_a_paramfile_torch_cannot_load_is_corrupt(tmp_path: Path, case: str) -> None:
+    path = speechbrain_checkpoint(tmp_path, "2024-01-01+00-00-00+00", GOOD_META, 3.0)
+    (path / "net.ckpt").write_bytes(CRAFTED_PARAMFILES[case](legacy_paramfile(3.0)))
+    model = net(0.0)
+    with (
+        Checkpointer(tmp_path, {"net": model}) as c,
+        pytest.raises(
+            CorruptCheckpointError, match=re.escape(f"{path / 'net.ckpt'}: torch cannot load it")
+        ),
+    ):
+        c.recover_if_possible()
     assert torch.all(model.weight == 0.0)
 
 

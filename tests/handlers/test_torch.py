@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,81 @@ def test_crafted_structures_are_corrupt_steps(tmp_path: Path, crafted: dict[str,
     ):
         reader.restore(1, {"model": None})
     assert "checksum" not in str(raised.value)  # the handler's own check, not the manifest's
+
+
+Tree = dict[str, list[list[object]]]
+# state.json of a Linear(3, 4) edited (records recomputed) and restored into a Linear(3, 4):
+# what can be no state dict is a damaged file, a state dict that does not fit is a mismatch
+# (issue 42: raw TypeError, AttributeError and RuntimeError from load_state_dict before).
+TARGET_CASES: dict[str, tuple[Callable[[Tree], object], type[Exception], str]] = {
+    "a list": (
+        lambda tree: {"list": []},
+        CorruptCheckpointError,
+        r"state\.json: the state is a list, not a state dict",
+    ),
+    "a key True": (
+        lambda tree: {"dict": [[True, {"value": 1}]]},
+        CorruptCheckpointError,
+        r"state\.json, key '<root>': a dict entry is not",
+    ),
+    "a key 7": (
+        lambda tree: {"dict": [*tree["dict"], [7, {"value": 1}]]},
+        CorruptCheckpointError,
+        r"state\.json: the state is a dict with keys that are not str",
+    ),
+    "bias missing": (
+        lambda tree: {"dict": [e for e in tree["dict"] if e[0] != "bias"]},
+        MismatchError,
+        r"(?s)item 'model': Linear\.load_state_dict refuses .*Missing key\(s\).*\"bias\"",
+    ),
+    "a key more": (
+        lambda tree: {"dict": [*tree["dict"], ["extra", {"value": 1}]]},
+        MismatchError,
+        r"Unexpected key\(s\).*\"extra\"",
+    ),
+    "weight a str": (
+        lambda tree: {
+            "dict": [[k, {"value": "x"}] if k == "weight" else [k, v] for k, v in tree["dict"]]
+        },
+        MismatchError,
+        r"parameter named \"weight\"",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TARGET_CASES))
+def test_a_crafted_state_restored_into_a_target(tmp_path: Path, case: str) -> None:
+    edit, error, message = TARGET_CASES[case]
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(3, 4)})
+    item = tmp_path / "checkpoint_1" / "model"
+    doc = json.loads((item / "state.json").read_text())
+    doc["tree"] = edit(doc["tree"])
+    resign(item, "state.json", json.dumps(doc).encode())
+    target = torch.nn.Linear(3, 4)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with CheckpointManager(tmp_path, read_only=True) as reader, pytest.raises(error, match=message):
+        reader.restore(1, {"model": target})
+    if error is CorruptCheckpointError:  # refused before load_state_dict
+        same_state(before, target.state_dict())
+
+
+def test_a_checkpoint_that_does_not_fit_the_target_is_a_mismatch(tmp_path: Path) -> None:
+    """Intact checkpoints restored into a target of another kind: MismatchError, not torch's
+    TypeError or ValueError."""
+    net = Net()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"t": torch.ones(3), "model": net, "opt": torch.optim.SGD(net.parameters())})
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        with pytest.raises(
+            MismatchError, match=r"item 't', key '<root>'.*tensor, the target a Net"
+        ):
+            reader.restore(1, {"t": Net()})
+        with pytest.raises(MismatchError, match=r"item 'model', key '<root>'.*dict, the target a "):
+            reader.restore(1, {"model": torch.ones(3)})
+        fewer = torch.optim.SGD(torch.nn.Linear(3, 4).parameters())
+        with pytest.raises(MismatchError, match=r"item 'opt': SGD\.load_state_dict refuses"):
+            reader.restore(1, {"opt": fewer})
 
 
 def test_importing_cairn_does_not_import_torch() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -9,14 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from test_conformance import stored, write_item
 from treeutil import assert_tree_equal
 
 from cairn.handlers import Handler, NumpyTreeHandler, TrainStateHandler
-from cairn.handlers.io import StagingPool, staging_for
+from cairn.handlers._tree import check_dtype_name
+from cairn.handlers.io import StagingPool, dtype_from_name, dtype_name, staging_for
 
 keys = st.text(min_size=0, max_size=8)  # any string: '/', '.', '..', unicode, empty
 dtypes = st.sampled_from(
@@ -102,3 +104,34 @@ def written(records: Any, root: Path) -> dict[str, Any]:
         return files
     index = json.loads((root / "packs/index.0.json").read_bytes())["chunks"]
     return {"tree.json": files["tree.json"], **{k: (v[2], v[3]) for k, v in index.items()}}
+
+
+#: Strings of what NumPy's dtype parser reads (it may take them, or raise TypeError, ValueError
+#: or SyntaxError: it reads "(2,3)f4" as a subarray, with ast.literal_eval), and any text.
+dtype_names = st.one_of(
+    st.text(alphabet="()[],<>|=0123456789.efdbiuUSVOMmcsa_ ", max_size=12),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype_names)
+@example("(1,2")  # SyntaxError (issue 42)
+@example("(9e9,)f")  # SyntaxError
+@example("(2147483648,)f8")  # ValueError
+@example("((1,)f4")
+@example("")  # np.dtype("") is float64
+@example("bfloat16")
+@example("<M8[s]")
+def test_any_dtype_name_from_disk_is_a_dtype_or_value_error(name: str) -> None:
+    """A dtype name read from a file is one a save writes (numbers and booleans, for
+    `check_dtype_name`), or ValueError; never another exception out of NumPy's parser."""
+    try:
+        dtype = check_dtype_name(name, "dtype")
+    except ValueError:
+        pass
+    else:
+        assert dtype_name(dtype) == name
+        assert dtype.kind in "biufc" or dtype_name(dtype) != dtype.str  # ml_dtypes: kind V
+    with contextlib.suppress(ValueError):
+        dtype_from_name(name)

@@ -311,6 +311,10 @@ def _hostile_state(kernel: Any) -> dict[str, Any]:
         (_spec("outside", driver="http", base_url="http://127.0.0.1:1/"), "'http' refused"),
         ({**_spec("x"), "driver": "n5"}, "driver 'n5'"),
         ({**_spec("x"), "kvstore": "file:///etc"}, "kvstore is not an object"),
+        # issue 42: NumPy's parser raised SyntaxError and ValueError for these
+        ({**_spec("target.kernel"), "dtype": "(1,2"}, r"dtype '\(1,2' is not understood"),
+        ({**_spec("target.kernel"), "dtype": "(2147483648,)f8"}, "is not understood"),
+        ({**_spec("target.kernel"), "dtype": 7}, "is not a dtype's name"),
     ],
 )
 def test_hostile_specs_are_refused_and_nothing_outside_is_read(
@@ -334,6 +338,30 @@ def test_hostile_specs_are_refused_and_nothing_outside_is_read(
         pytest.raises(CorruptCheckpointError, match=refusal),
     ):
         ckpt.restore()
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array([[2**53 + 1, 3]], np.int64),
+        np.array([[1 + 2j, 3 - 4j]], np.complex64),
+        np.array([[True, False]]),
+    ],
+    ids=["int64", "complex64", "bool"],
+)
+def test_a_spec_without_a_dtype_is_corrupt(tmp_path: Path, arr: np.ndarray) -> None:
+    """Issue 42: T5X always writes the dtype into a spec; one without it came back as float64
+    (np.dtype(None)): 2**53 + 1 rounded, complex numbers without their imaginary part."""
+    step_dir = write_legacy_step(
+        tmp_path, {"target": {"w": arr}, "state": {"step": np.int32(1)}}, step=1, save_dtype=None
+    )
+    raw = msgpack.unpackb((step_dir / "checkpoint").read_bytes(), raw=False)
+    assert raw["optimizer"]["target"]["w"]["dtype"] == arr.dtype.name  # what T5X writes
+    del raw["optimizer"]["target"]["w"]["dtype"]
+    (step_dir / "checkpoint").write_bytes(msgpack.packb(raw))
+    with pytest.raises(CorruptCheckpointError, match="the spec has no dtype") as info:
+        checkpoints.load_t5x_checkpoint(tmp_path, 1)
+    assert str(step_dir / "checkpoint") in str(info.value) and "target/w" in str(info.value)
 
 
 def test_a_link_out_of_the_step_is_refused(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tracemalloc
 from pathlib import Path
@@ -23,6 +24,7 @@ import xxhash
 from cairn.handlers import JsonHandler, TrainStateHandler
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager, KeepLatest
+from cairn.manager._cli import main
 from cairn.manager._format import dump_checked
 
 # What the zarr layout writes and shares, file by file (tests/handlers/test_packed.py: packs).
@@ -251,11 +253,33 @@ def test_array_metadata_from_disk_is_checked_before_allocating(
         try:
             with pytest.raises(CorruptCheckpointError, match=message):
                 mgr.restore(2, fallback=False)
-            assert mgr.verify(2) == []  # every file matches its record: only restore can tell
+            problems = mgr.verify(2)  # every file matches its record; the handler's check tells
+            assert [p for p in problems if re.search(message, p)], problems
         finally:
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     assert peak < 16 << 20
+
+
+@pytest.mark.parametrize("dtype", ["(1,2", "(9e9,)f"])
+def test_a_dtype_numpy_cannot_parse_is_damage(
+    run: tuple[Path, Path], dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42: NumPy's parser raises SyntaxError for these; from tree.json that came out of
+    restore and describe raw, `restore()` did not fall back past the step, and `cairn show`
+    printed "error: SyntaxError". Now it is damage naming the file, as any dtype off the list."""
+    root, _ = run
+    edit_tree(root, 2, lambda tree: first_leaf(tree).update(dtype=dtype))
+    tree_json = str(root / "checkpoint_2" / "state" / "tree.json")
+    with CheckpointManager(root, read_only=True) as mgr:
+        for call in (lambda: mgr.restore(2, fallback=False), lambda: mgr.describe(2)):
+            with pytest.raises(CorruptCheckpointError, match="not a stored dtype") as info:
+                call()
+            assert tree_json in str(info.value)
+        assert mgr.restore()["state"]["mu"][0, 0] == 1  # the intact step 1
+        assert [p for p in mgr.verify(2) if tree_json in p and "not a stored dtype" in p]
+    assert main(["show", str(root), "2"]) == 2
+    assert "not a stored dtype" in capsys.readouterr().err
 
 
 def edit_zarr_json(root: Path, edit: Any) -> None:

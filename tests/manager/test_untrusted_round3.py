@@ -317,3 +317,133 @@ def test_a_clock_stepped_back_does_not_hold_saves_off(tmp_path: Path, clock: Fak
         clock.wall += 7 * 86400
         clock.mono += 1
         assert not mgr.should_save(3)
+
+
+# ---------------------------------------------------------------------------- the review's finds
+
+
+@pytest.mark.parametrize(
+    ("lie", "message"),
+    [
+        (lambda e: e.__setitem__(2, 8), "is indexed with 8 bytes"),
+        (lambda e: e.__setitem__(2, 0), "is indexed with 0 bytes"),
+        (None, "is not indexed"),
+    ],
+)
+def test_verify_refuses_what_restore_refuses_before_reading(
+    tmp_path: Path, lie: Any, message: str
+) -> None:
+    """verify calls a step intact only if a restore takes it: an index entry of the wrong size
+    (its hash recomputed for those bytes) or a chunk left out of the index is reported, as the
+    handler's own checks before any allocation (`TrainStateHandler.check`) find it."""
+    with CheckpointManager(tmp_path, handlers=packed()) as mgr:
+        mgr.save(1, {"state": state()})
+    item = tmp_path / "checkpoint_1" / "state"
+
+    def edit(index: dict[str, Any]) -> None:
+        (name,) = [k for k in index["chunks"] if k.startswith("arrays/0/")]
+        if lie is None:
+            del index["chunks"][name]
+            return
+        entry = index["chunks"][name]
+        lie(entry)
+        pack = (item / entry[0]).read_bytes()
+        entry[3] = xxhash.xxh3_128_hexdigest(pack[entry[1] : entry[1] + entry[2]])
+
+    Files(tmp_path).edit_file(1, "state", "packs/index.0.json", edit)
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        problems = mgr.verify(1)
+        assert len(problems) == 1 and message in problems[0], problems
+        with pytest.raises(CorruptCheckpointError, match=message):
+            mgr.restore(1, fallback=False)
+
+
+def test_a_record_far_larger_than_its_object_allocates_nothing(tmp_path: Path) -> None:
+    """In a bucket, sizes are not stat'ed: a manifest record saying a pack holds 64 GiB (the
+    object holds 2 MiB, tree.json and the index agree with the lie) is found by reading the
+    object's last byte before anything is allocated, so the step is damaged (a raw MemoryError
+    before) and restore() falls back to the step before."""
+    import uuid
+
+    url = f"memory://round3/{uuid.uuid4().hex}"
+    with CheckpointManager(url, handlers=packed()) as mgr:
+        mgr.save(1, {"state": state()})
+        mgr.save(2, {"state": state()})
+    files = Files(url)
+    nbytes = 64 << 30
+    manifest = json.loads(files.read(f"checkpoint_2/{MANIFEST}"))
+    del manifest["crc32c"]
+    records = manifest["items"]["state"]["files"]
+    pack = next(r for r in records if r["path"].startswith("packs/") and "index" not in r["path"])
+    pack["size"] = nbytes
+    for relpath, body in [
+        ("tree.json", lambda t: t["c"][0].update(shape=[nbytes // 4], chunk=[nbytes // 4])),
+        ("packs/index.0.json", lambda i: i.__setitem__(
+            "chunks", {"arrays/0/0": [pack["path"], 0, nbytes, "0" * 32]})),
+    ]:  # fmt: skip
+        data = json.loads(files.read(f"checkpoint_2/state/{relpath}"))
+        body(data)
+        raw = json.dumps(data).encode()
+        files.write(f"checkpoint_2/state/{relpath}", raw)
+        for r in records:
+            if r["path"] == relpath:
+                r.update(size=len(raw), xxh3_128=xxhash.xxh3_128_hexdigest(raw))
+    files.write(f"checkpoint_2/{MANIFEST}", dump_checked(manifest))
+    with CheckpointManager(url, read_only=True) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="shorter than the manifest says"):
+            mgr.restore(2, fallback=False)
+        assert mgr.restore()["state"]["a"].shape == (N,)  # step 1
+
+
+def test_a_pack_others_may_write_is_not_shared(tmp_path: Path) -> None:
+    """A crafted step whose pack is a hard link to a file outside the root that others may
+    write (mode 0666; tar and rsync -H keep hard links): an incremental save writes its chunks
+    afresh rather than link that inode into every later step, so a later write to the outside
+    file damages none of them."""
+    root, outside = tmp_path / "run", tmp_path / "outside"
+    with CheckpointManager(root, handlers=packed(), incremental=True) as mgr:
+        mgr.save(1, {"state": state()})
+    (pack,) = (root / "checkpoint_1" / "state" / "packs").glob("0.*")
+    os.replace(pack, outside)
+    os.chmod(outside, 0o666)
+    os.link(outside, pack)
+    with CheckpointManager(root, handlers=packed(), incremental=True) as mgr:
+        mgr.save(2, {"state": state()})
+        mgr.save(3, {"state": state()})
+        mgr.wait_until_finished()
+        assert os.stat(outside).st_nlink == 2  # not linked on
+        with open(outside, "r+b") as f:
+            f.write(b"\xff" * 16)
+        assert mgr.verify(2) == [] and mgr.verify(3) == []
+        got = mgr.restore(3, fallback=False)["state"]
+        np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(state()["a"]))
+
+
+def test_a_lease_naming_a_live_process_that_is_no_writer_is_taken_over(
+    tmp_path: Path,
+) -> None:
+    """A lease of this host whose owner is gone and whose "writer" is a live process that runs
+    no cairn writer (pid 1, or a pid reused since): taken over at once, not after waiting
+    10 minutes for that process and then refused."""
+    import socket
+    import subprocess
+    import uuid
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "600"])
+    try:
+        url = f"memory://round3/{uuid.uuid4().hex}"
+        lease = {
+            "owner": f"{socket.gethostname()}:{dead.pid}:x",
+            "expires": time.time() + 3000,
+            "writer": live.pid,
+        }
+        ObjectStore(url, StorageOptions()).write(LOCK, json.dumps(lease).encode())
+        started = time.monotonic()
+        with CheckpointManager(url) as mgr:
+            mgr.save(1, {"state": {"x": np.arange(3)}})
+        assert time.monotonic() - started < 60
+    finally:
+        live.kill()
+        live.wait()
