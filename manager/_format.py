@@ -12,7 +12,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 import crc32c
@@ -83,6 +83,27 @@ class StepNames:
     def is_temporary(self, name: str) -> bool:
         match = _TMP_RE.search(name)
         return match is not None and self.parse(name[: match.start()]) is not None
+
+
+# A step directory under some naming: ``123``, ``step_123``, ``ckpt-000123`` (`namings`).
+_STEP_LIKE = re.compile(r"(?:([A-Za-z0-9_\-]*?)_)?([0-9]{1,20})")
+
+
+def namings(names: Iterable[str]) -> list[tuple[StepNames, list[tuple[int, str]]]]:
+    """Step-like names (``123``, ``step_123``, ``checkpoint_000123``) grouped by the naming
+    that writes them (prefix, and padding where a number starts with 0), the largest group
+    first, each with its (step, name), the newest first: where a directory's steps are when
+    none is named as a manager expects (``Storage.other_naming``)."""
+    groups: dict[tuple[str, int | None], list[tuple[int, str]]] = {}
+    for name in names:
+        match = _STEP_LIKE.fullmatch(name)
+        if match is None:
+            continue
+        prefix, number = match.group(1) or "", match.group(2)
+        digits = len(number) if number.startswith("0") and len(number) > 1 else None
+        groups.setdefault((prefix, digits), []).append((int(number), name))
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    return [(StepNames(p, d), sorted(steps, reverse=True)) for (p, d), steps in ranked]
 
 
 _ITEM_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}")

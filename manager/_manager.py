@@ -1273,12 +1273,13 @@ class CheckpointManager:
         self._catalog.replace(self._on_commit_thread(self._scan))
 
     def _refuse_other_naming(self) -> None:
-        """ValueError, before anything is written, if the directory holds orbax-checkpoint's
-        steps under a naming other than ours and none under ours: a trainer would otherwise
-        start from scratch beside them."""
-        other = self._storage.other_naming(self._names)
-        if other is None:
+        """ValueError, before anything is written, if the directory holds steps (cairn's, or
+        orbax-checkpoint's) under a naming other than ours and none under ours: a trainer would
+        otherwise start from scratch beside them."""
+        found = self._storage.other_naming(self._names)
+        if found is None:
             return
+        other, who = found
         self._storage.close()
         option = f"step_prefix={other.prefix!r}" + (
             f", step_digits={other.digits}" if other.digits is not None else ""
@@ -1286,11 +1287,15 @@ class CheckpointManager:
         ours = f"step_prefix={self._names.prefix!r}" + (
             f", step_digits={self._names.digits}" if self._names.digits is not None else ""
         )
-        raise ValueError(
-            f"{self._where} holds steps written by orbax-checkpoint named like "
-            f"{other.format(0)!r}, and none named as {ours} expects "
-            f"({self._names.format(0)!r}); open it with CheckpointManager(..., {option}) to "
+        then = (
             "read them in place (read-only) and save new steps beside them"
+            if who == "orbax-checkpoint"
+            else "read them and save the next ones under the same names"
+        )
+        raise ValueError(
+            f"{self._where} holds steps written by {who} named like {other.format(0)!r}, and "
+            f"none named as {ours} expects ({self._names.format(0)!r}); open it with "
+            f"CheckpointManager(..., {option}) to {then}"
         )
 
     def _hand_over(self) -> None:

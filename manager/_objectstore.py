@@ -51,6 +51,7 @@ from cairn.manager._format import (
     Manifest,
     StepNames,
     check_sync_name,
+    namings,
     unix_time,
 )
 from cairn.manager._storage import Listed, Reclaim
@@ -624,8 +625,19 @@ class KvStorage:
 
     # ------------------------------------------------------------------ listing and reading
 
-    def other_naming(self, names: StepNames) -> StepNames | None:
-        """Not looked for: cairn reads Orbax steps in place on local filesystems only."""
+    def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
+        """cairn's steps under another naming (one LIST); Orbax steps are not looked for:
+        cairn reads them in place on local filesystems only."""
+        heads: dict[str, set[str]] = {}
+        for key in self.store.list_keys():
+            head, sep, rest = key.partition("/")
+            if sep:
+                heads.setdefault(head, set()).add(rest)
+        if any(names.parse(head) is not None for head in heads):
+            return None
+        for naming, steps in namings(heads):
+            if any(MANIFEST in heads[name] for _, name in steps[:3]):
+                return naming, "cairn"
         return None
 
     def scan(self, names: StepNames) -> list[Listed]:

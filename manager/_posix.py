@@ -14,7 +14,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import uuid
@@ -40,6 +39,7 @@ from cairn.manager._format import (
     Manifest,
     StepNames,
     check_sync_name,
+    namings,
     trash_name,
 )
 from cairn.manager._orbax_steps import orbax_step
@@ -137,26 +137,22 @@ class PosixStorage:
                     found.append(listed)
         return sorted(found, key=lambda listed: listed.step)
 
-    def other_naming(self, names: StepNames) -> StepNames | None:
+    def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
         try:
-            entries = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+            entries = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
             return None
-        if any(names.parse(e.name) is not None for e in entries):
+        if any(names.parse(name) is not None for name in entries):
             return None
-        by_naming: dict[tuple[str, int | None], list[tuple[int, str]]] = {}
-        for entry in entries:
-            match = _STEP_LIKE.fullmatch(entry.name)
-            if match is None:
-                continue
-            prefix, number = match.group(1) or "", match.group(2)
-            digits = len(number) if number.startswith("0") and len(number) > 1 else None
-            by_naming.setdefault((prefix, digits), []).append((int(number), entry.path))
-        for (prefix, digits), steps in sorted(by_naming.items(), key=lambda kv: -len(kv[1])):
-            newest = sorted(steps, reverse=True)[:3]  # a few are enough to tell
-            with contextlib.suppress(OSError):
-                if any(orbax_step(step, Path(path)) is not None for step, path in newest):
-                    return StepNames(prefix, digits)
+        for naming, steps in namings(entries):
+            for step, name in steps[:3]:  # a few are enough to tell
+                path = self.root / name
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(path / MANIFEST).st_mode):
+                        return naming, "cairn"
+                with contextlib.suppress(OSError):
+                    if orbax_step(step, path) is not None:
+                        return naming, "orbax-checkpoint"
         return None
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:
@@ -326,8 +322,6 @@ class PosixStorage:
         return removed
 
 
-# A step directory under some naming: ``123``, ``step_123``, ``ckpt-000123`` (for other_naming).
-_STEP_LIKE = re.compile(r"(?:([A-Za-z0-9_\-]*?)_)?([0-9]{1,20})")
 _ROOT_TMP = ".cairn-root.tmp-"  # a root file being created (create_root_file)
 _REPLACING = (f".{METRICS}.tmp-", f".{MANIFEST}.tmp-")
 

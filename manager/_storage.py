@@ -133,9 +133,10 @@ class Storage(Protocol):
         """Every committed step, by step number."""
         ...
 
-    def other_naming(self, names: StepNames) -> StepNames | None:
-        """When no entry is named as `names` expects but orbax-checkpoint's steps are there
-        under another naming (Orbax's default is a plain number), that naming; else None."""
+    def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
+        """When no entry is named as `names` expects but steps are there under another naming
+        (Orbax's default is a plain number; a cairn run saved with another `step_digits` or
+        prefix), that naming and who wrote them ("cairn", "orbax-checkpoint"); else None."""
         ...
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:

@@ -207,7 +207,11 @@ def test_show_metrics_plot_gc_rm(tmp_path: Path) -> None:
 def test_padded_step_names(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, step_digits=6) as mgr:
         mgr.save(7, {"state": {"w": np.ones(3)}})
-    assert json.loads(cairn("ls", str(tmp_path), "--json").stdout) == []
+    empty = cairn("ls", str(tmp_path), "--json")  # issue 43: not an empty list, exit 0
+    assert (
+        empty.returncode == 2
+        and "run it again with --step-prefix 'checkpoint' --step-digits 6" in empty.stderr
+    )
     rows = json.loads(cairn("ls", str(tmp_path), "--step-digits", "6", "--json").stdout)
     assert [r["step"] for r in rows] == [7]
     bad = cairn("ls", str(tmp_path), "--step-digits", "0")

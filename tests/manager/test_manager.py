@@ -81,8 +81,31 @@ def test_directory_layout_and_names(tmp_path: Path) -> None:
     assert (tmp_path / "b" / "7").is_dir()
     with CheckpointManager(tmp_path / "a", step_digits=6) as mgr:
         assert mgr.all_steps() == [100]
-    with CheckpointManager(tmp_path / "a", read_only=True) as mgr:  # other spelling: not a step
-        assert mgr.all_steps() == []
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+@pytest.mark.parametrize("read_only", [False, True])
+def test_steps_under_other_padding_are_refused_not_ignored(
+    tmp_path: Path, where: str, read_only: bool
+) -> None:
+    """Issue 43: a run saved with step_digits=6 (``checkpoint_000100``) opened with the
+    defaults used to list no step, and the next save started a run from scratch beside it
+    (``checkpoint_0``). It is refused, naming the option that reads it, and nothing is
+    written; the option works; directories that only look like steps are no reason."""
+    import uuid
+
+    root: Any = tmp_path / "run" if where == "disk" else f"memory://pad/{uuid.uuid4().hex}"
+    with CheckpointManager(root, step_digits=6) as mgr:
+        mgr.save(100, {"s": [1]})
+    before = dir_state(tmp_path)
+    with pytest.raises(ValueError, match="step_digits=6") as raised:
+        CheckpointManager(root, read_only=read_only)
+    assert "steps written by cairn named like 'checkpoint_000000'" in str(raised.value)
+    assert dir_state(tmp_path) == before
+    with CheckpointManager(root, step_digits=6, read_only=read_only) as mgr:
+        assert mgr.all_steps() == [100]
+    with pytest.raises(ValueError, match="step_prefix='checkpoint', step_digits=6"):
+        CheckpointManager(root, step_prefix="checkpoint", step_digits=4)
 
 
 def test_moved_checkpoint_directory_restores(tmp_path: Path) -> None:
