@@ -260,6 +260,8 @@ class CheckpointManager:
         self._key = self._storage.identity
         if not read_only:
             _take_over(self._key, self)
+        else:
+            settle_writer(self._key)  # read your writes: what this process's writer accepted
         self._catalog = Catalog(journal=self._procs.count > 1 and self._procs.primary)
         self._retired: dict[int, Manifest | None] = {}  # primary: retired, shares not yet deleted
         self._errors_lock = threading.Lock()
@@ -1394,6 +1396,35 @@ def _take_over(key: str, manager: CheckpointManager) -> None:
     previous = ref() if ref is not None else None
     if previous is not None and previous is not manager:
         previous._hand_over()
+
+
+def settle_writer(key: str) -> None:
+    """Read your own writes: when this process has a writable manager open on the directory
+    `key` (a storage's ``identity``), wait until the saves it accepted are committed (or have
+    failed: their errors stay that manager's), so that a reader opened now sees them. Bounded
+    by that manager's ``barrier_timeout``, and logged; a reader on the writer's own commit
+    thread does not wait. Other processes' writers are not waited for."""
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+    writer = ref() if ref is not None else None
+    if writer is None or writer._executor is None or writer._closed:
+        return
+    if threading.current_thread().name.startswith("cairn-commit"):
+        return
+    if not writer._catalog.any_in_flight():
+        return
+    log.info("cairn: waiting for the saves this process's writer accepted in %s", writer._where)
+    try:
+        writer._executor.submit(lambda: None).result(timeout=writer._timeout)
+    except concurrent.futures.TimeoutError:
+        log.warning(
+            "cairn: the saves this process's writer accepted in %s are still being committed "
+            "after %g s (barrier_timeout); reading without them",
+            writer._where,
+            writer._timeout,
+        )
+    except RuntimeError:  # the writer closed meanwhile: its saves are done
+        pass
 
 
 def _forget_writer(key: str, manager: CheckpointManager) -> None:

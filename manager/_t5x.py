@@ -40,7 +40,7 @@ from cairn.handlers.errors import (
 from cairn.handlers.io import open_regular, read_no_follow
 from cairn.manager import _t5x_legacy as legacy  # existing T5X runs: T5X's own layouts
 from cairn.manager._format import MANIFEST, Manifest
-from cairn.manager._manager import CheckpointManager
+from cairn.manager._manager import CheckpointManager, settle_writer
 from cairn.manager._policies import (
     AnyOf,
     AtSteps,
@@ -473,6 +473,7 @@ def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
 def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
     """Committed step directories (named checkpoint_<digits>, holding a manifest) by step."""
     root = Path(os.fspath(checkpoints_dir))
+    settle_writer(os.path.realpath(root))  # read your writes: T5X's save is synchronous
     found: dict[int, Path] = {}
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -503,6 +504,10 @@ def all_dataset_checkpoint_steps(checkpoints_dir: PathLike) -> list[int]:
     """Committed steps that still hold the dataset iterator (not dropped by retention)."""
     steps = []
     for step, path in sorted(_committed(checkpoints_dir).items()):
+        if not os.path.lexists(path / MANIFEST):  # a step T5X wrote: its train_ds-* files
+            if legacy.has_dataset(path):
+                steps.append(step)
+            continue
         try:
             manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), str(path / MANIFEST))
         except (OSError, CairnError):
@@ -523,7 +528,8 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> str:
     candidate = Path(text)
     if candidate.is_dir():
         if _STEP_DIR.fullmatch(candidate.name) and step is None:
-            pass  # a checkpoint directory itself
+            settle_writer(os.path.realpath(candidate.parent))  # read your writes
+            # a checkpoint directory itself
         else:
             if step is None:
                 step = latest_step(candidate)

@@ -542,6 +542,19 @@ def load_legacy(
 _TRAIN_DS = re.compile(r"train_ds-([0-9]+)-of-([0-9]+)\.index")
 
 
+def has_dataset(step_dir: Path) -> bool:
+    """Whether a step T5X wrote holds its dataset checkpoint (``train_ds-<i>-of-<n>.index``,
+    a regular file), as T5X's ``all_dataset_checkpoint_steps`` finds it."""
+    try:
+        with os.scandir(step_dir) as entries:
+            return any(
+                _TRAIN_DS.fullmatch(e.name) is not None and e.is_file(follow_symlinks=False)
+                for e in entries
+            )
+    except OSError:
+        return False
+
+
 def restore_dataset(step_dir: Path, iterator: Any, step: int) -> Any:
     """T5X's legacy dataset checkpoint (``train_ds-<shard>-of-<n>``, a tf.train.Checkpoint of the
     iterator) read into `iterator` in place; this process's shard, or the only one there is.

@@ -248,6 +248,19 @@ def test_legacy_chunked_and_complex_msgpack_leaves(tmp_path: Path) -> None:
     assert loaded["state"]["extra"]["z"] == 1 + 2j
 
 
+def test_all_dataset_checkpoint_steps_counts_steps_t5x_wrote(tmp_path: Path) -> None:
+    """Issue 43: real T5X returns the steps whose train_ds-* files are there; cairn returned []
+    for steps T5X wrote (it read manifests only). Beside them, a cairn step with a dataset."""
+    import tensorflow as tf
+
+    it = iter(tf.data.Dataset.range(100))
+    write_legacy_step(tmp_path, t5x_state(10), dataset_iterator=it)
+    write_legacy_step(tmp_path, t5x_state(20))  # without a dataset checkpoint
+    assert checkpoints.all_dataset_checkpoint_steps(tmp_path) == [10]
+    (tmp_path / "checkpoint_20" / "train_ds-000-of-001.index").mkdir()  # not a file: no
+    assert checkpoints.all_dataset_checkpoint_steps(tmp_path) == [10]
+
+
 def test_legacy_dataset_iterator_resumes(tmp_path: Path) -> None:
     import tensorflow as tf
 
