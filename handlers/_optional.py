@@ -15,6 +15,7 @@ EXTRAS = {
     "google": "gcs",  # google-auth
     "grain": "grain",
     "jax": "jax",
+    "matplotlib": "plot",
     "orbax": "orbax",
     "requests": "gcs",
     "speechbrain": "speechbrain",

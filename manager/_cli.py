@@ -177,6 +177,11 @@ def _as_flags(message: str) -> str:
         message,
     )
     message = re.sub(r"\bstep_prefix=('[^']*')", r"--step-prefix \1", message)
+    message = message.replace(
+        "open it with read_only=True to read alongside",
+        "cairn ls, show, verify and metrics read alongside it; gc and rm need the directory "
+        "to themselves: run them once that writer has closed",
+    )
     return re.sub(r"\bstep_digits=(\d+|None)", r"--step-digits \1", message)
 
 
@@ -203,6 +208,17 @@ def _keep_policy(args: argparse.Namespace) -> Any:
     """The keep policy the gc/ls options describe, or None when none is given."""
     from cairn.manager._policies import AnyOf, KeepBest, KeepEvery, KeepLatest
 
+    for flag, value in (
+        ("--keep-latest", args.keep_latest),
+        ("--keep-best", args.keep_best),
+        ("--keep-every", args.keep_every),
+    ):
+        if value is not None and value < 1:
+            raise _UsageError(f"{flag} must be at least 1, got {value}")
+    if args.keep_best is None and (args.metric is not None or args.mode is not None):
+        raise _UsageError(
+            "--metric and --mode say what --keep-best keeps: give --keep-best N with them"
+        )
     parts: list[Any] = []
     try:
         if args.keep_latest is not None:
@@ -210,7 +226,7 @@ def _keep_policy(args: argparse.Namespace) -> Any:
         if args.keep_best is not None:
             if not args.metric:
                 raise _UsageError("--keep-best needs --metric NAME")
-            parts.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
+            parts.append(KeepBest(args.keep_best, args.metric, mode=args.mode or "min"))
         if args.keep_every is not None:
             parts.append(KeepEvery(steps=args.keep_every))
     except ValueError as e:
@@ -342,7 +358,7 @@ def _show(args: argparse.Namespace) -> int:
             {
                 "step": step,
                 "bytes": info.bytes,
-                "bytes_written": info.telemetry.get("bytes_written"),
+                "bytes_written": _int_or_none(info.telemetry.get("bytes_written")),
                 "metrics": dict(info.metrics),
                 "metadata": dict(info.metadata),
                 "items": described,
@@ -379,12 +395,27 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
 def _leaf_cells(leaf: dict[str, Any]) -> tuple[str, str]:
-    """A leaf of `describe()` as its value (dtype and shape, or the value) and its size."""
-    if "shape" in leaf:
-        nbytes = _leaf_bytes(leaf)
-        return f"{leaf['dtype']}{list(leaf['shape'])}", _size(nbytes) if nbytes is not None else ""
-    return repr(leaf.get("value")), ""
+    """A leaf of `describe()` as its value (dtype and shape, or the value) and its size: the
+    dtype as NumPy names it (``float32``, not the stored ``<f4``); typed PRNG keys as
+    ``key<impl>`` with the keys' shape (their data's, less its last dimension)."""
+    if "shape" not in leaf:
+        return repr(leaf.get("value")), ""
+    from cairn.handlers.io import dtype_from_name
+
+    nbytes = _leaf_bytes(leaf)
+    shape = list(leaf["shape"])
+    try:
+        dtype = dtype_from_name(leaf["dtype"]).name
+    except (ValueError, KeyError):
+        dtype = str(leaf.get("dtype"))
+    if "prng" in leaf:
+        dtype, shape = f"key<{leaf['prng']}>", shape[:-1]
+    return f"{dtype}{shape}", _size(nbytes) if nbytes is not None else ""
 
 
 def _metrics(args: argparse.Namespace) -> int:
@@ -393,14 +424,20 @@ def _metrics(args: argparse.Namespace) -> int:
             "--mode says which end of the metric --plot marks as best: it needs --plot"
         )
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
-        views = _views(_infos(mgr), all_readable=True)
+        infos = _infos(mgr)
+        views = _views(infos, all_readable=True)
+    # The writing manager's best-step rule (best=, or its one KeepBest), newest step first.
+    recorded = next(
+        (i.best for _, i in sorted(infos.items(), reverse=True) if getattr(i, "best", None)),
+        None,
+    )
     names = sorted({k for v in views for k in v.metrics})
     if args.metric is not None:  # the table, the JSON and the plot of that metric alone
         if args.metric not in names:
             raise _UsageError(f"{args.directory}: no metric {args.metric!r} (metrics: {names})")
         names = [args.metric]
     plot = (
-        _plot_setup(args, names) if args.plot is not None else None
+        _plot_setup(args, names, recorded) if args.plot is not None else None
     )  # refused before anything is printed
     if args.json:
         # The step number is the "step" key: a metric of that name cannot stand in for it.
@@ -429,18 +466,20 @@ def _metrics(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_setup(args: argparse.Namespace, names: list[str]) -> tuple[str, str, Any]:
-    """The metric and mode --plot draws, and pyplot; a usage error for what cannot work."""
-    metric = args.metric or (names[0] if names else None)
+def _plot_setup(
+    args: argparse.Namespace, names: list[str], recorded: tuple[str, str] | None
+) -> tuple[str, str | None, Any]:
+    """The metric --plot draws, the mode of the best step it marks (None: no mark), and
+    pyplot; a usage error for what cannot work. The mode is --mode, else the one the manager
+    that wrote the run recorded for that metric (its best= or KeepBest); a guess would mark
+    the worst step of an accuracy, so without either the curve has no best step marked."""
+    default = recorded[0] if recorded is not None and recorded[0] in names else None
+    metric = args.metric or default or (names[0] if names else None)
     if metric is None:
         raise _UsageError(f"{args.directory}: no metrics to plot")
-    # No directory records the run's best= or KeepBest mode (the manager keeps them in memory),
-    # and a guess would mark the worst step of an accuracy: the user says which end is best.
-    if args.mode is None:
-        raise _UsageError(
-            f"--plot marks the best step: say whether a low or a high {metric!r} is best "
-            "with --mode min or --mode max"
-        )
+    mode = args.mode
+    if mode is None and recorded is not None and recorded[0] == metric:
+        mode = recorded[1]
     if not args.plot:
         raise _UsageError("--plot needs the name of the PNG file to write")
     if Path(args.plot).is_dir():
@@ -455,16 +494,21 @@ def _plot_setup(args: argparse.Namespace, names: list[str]) -> tuple[str, str, A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return metric, args.mode, plt
+    return metric, mode, plt
 
 
-def _plot(args: argparse.Namespace, views: list[Any], metric: str, mode: str, plt: Any) -> None:
+def _plot(
+    args: argparse.Namespace, views: list[Any], metric: str, mode: str | None, plt: Any
+) -> None:
     points = [(v.step, v.metrics[metric]) for v in views if metric in v.metrics]
     name = _printable(metric)  # drawn as it is: no control characters, no $math$
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{name} (kept steps)")
-    best = (min if mode == "min" else max)(points, key=lambda p: p[1])
-    ax.plot([best[0]], [best[1]], "r*", markersize=14, label=f"best ({mode}): step {best[0]}")
+    if mode is not None:
+        best = (min if mode == "min" else max)(points, key=lambda p: p[1])
+        ax.plot([best[0]], [best[1]], "r*", markersize=14, label=f"best ({mode}): step {best[0]}")
+    else:
+        _say("no best step marked: give --mode min or --mode max", err=True)
     ax.set_xlabel("step")
     ax.set_ylabel(name, parse_math=False)
     ax.set_title(_printable(args.directory), parse_math=False)
@@ -620,17 +664,32 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _keep_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--keep-latest", type=int, default=None, metavar="N")
-    p.add_argument("--keep-best", type=int, default=None, metavar="N")
-    p.add_argument("--metric", default=None, help="the metric of --keep-best (and of --plot)")
-    p.add_argument("--mode", choices=["min", "max"], default="min")
+    p.add_argument("--keep-latest", type=int, default=None, metavar="N", help="keep the N newest")
+    p.add_argument(
+        "--keep-best", type=int, default=None, metavar="N", help="keep the N best by --metric"
+    )
+    p.add_argument("--metric", default=None, help="the metric of --keep-best")
+    p.add_argument(
+        "--mode", choices=["min", "max"], default=None, help="--keep-best's best end (min)"
+    )
     p.add_argument("--keep-every", type=int, default=None, metavar="K", help="keep multiples of K")
+
+
+def _version() -> str:
+    """The installed cairn-ckpt's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cairn-ckpt")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cairn", description="Inspect, check and clean up cairn checkpoint directories."
     )
+    parser.add_argument("--version", action="version", version=f"cairn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run: Any, help: str) -> argparse.ArgumentParser:
@@ -657,17 +716,26 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         choices=["min", "max"],
         default=None,
-        help="which end of the metric is best; needed by --plot, which marks the best step",
+        help="which end of the metric is best: --plot marks the best step (default: the "
+        "mode the run's manager recorded, from best= or KeepBest; none: no mark)",
     )
     metrics.add_argument("--json", action="store_true")
     gc = command("gc", _gc, "delete the steps a keep policy does not keep (the newest stays)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     _keep_options(gc)
     export = command(
-        "export", _export, "write one step as an Orbax step (orbax-checkpoint reads it)"
+        "export",
+        _export,
+        "write one step as an Orbax step (orbax-checkpoint reads it): DESTINATION/<step> "
+        "(or DESTINATION/<prefix>_<step> with --orbax-step-prefix), as an Orbax "
+        "CheckpointManager on DESTINATION saves it",
     )
     export.add_argument("step", type=int)
-    export.add_argument("destination", help="an Orbax checkpoint directory")
+    export.add_argument(
+        "destination",
+        help="the Orbax checkpoint directory (a CheckpointManager's directory, created if need "
+        "be) that receives the step; not the step's own directory",
+    )
     export.add_argument("--items", nargs="+", default=None, help="only these items")
     export.add_argument(
         "--orbax-step-prefix", default="", help="the Orbax step prefix (default: plain <step>)"

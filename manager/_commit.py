@@ -40,6 +40,8 @@ class SaveJob:
     previous: tuple[str, Manifest] | None = None
     #: set by save() when it returns, `blocked_s` final; the commit waits for it (None: no wait)
     settled: threading.Event | None = None
+    #: the manager's best-step rule (metric, mode), recorded in the manifest, if it has one
+    best: tuple[str, str] | None = None
 
 
 def commit_step(
@@ -204,4 +206,5 @@ def build_manifest(
             "bytes": float(size),
             "bytes_written": float(written),
         },
+        best=job.best,
     )

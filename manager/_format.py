@@ -190,6 +190,9 @@ class Manifest:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     telemetry: Mapping[str, float] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    #: the writing manager's rule for its best step (metric, "min" | "max"): `best=`, or its
+    #: one KeepBest; what ``cairn metrics --plot`` marks. None where it had none.
+    best: tuple[str, str] | None = None
 
     def with_dropped(self, item: str) -> Manifest:
         """This manifest with `item` marked dropped by per-item retention (no files)."""
@@ -216,6 +219,11 @@ class Manifest:
                 "metrics": dict(self.metrics),
                 "metadata": dict(self.metadata),
                 "telemetry": dict(self.telemetry),
+                **(
+                    {"best": {"metric": self.best[0], "mode": self.best[1]}}
+                    if self.best is not None
+                    else {}
+                ),
             }
         )
 
@@ -252,6 +260,7 @@ class Manifest:
                     for k, v in _expect(obj.get("telemetry", {}), dict, "telemetry").items()
                 },
                 format_version=version,
+                best=_best(obj.get("best")),
             )
         except KeyError as e:
             raise CorruptCheckpointError(f"{where} is malformed: field {e} is missing") from None
@@ -291,6 +300,17 @@ def unix_time(value: Any, what: str) -> float:
     if not 0 <= seconds < _LAST_TIME:
         raise ValueError(f"{what} {value!r:.40} is not a Unix time in years 1970-9999")
     return seconds
+
+
+def _best(value: Any) -> tuple[str, str] | None:
+    """A manifest's optional ``best``: {"metric": a metric name, "mode": "min" | "max"}."""
+    if value is None:
+        return None
+    best = _expect(value, dict, "best")
+    metric, mode = best.get("metric"), best.get("mode")
+    if not (isinstance(metric, str) and 0 < len(metric) <= 200) or mode not in ("min", "max"):
+        raise ValueError(f"best {value!r:.80} is not {{'metric': <name>, 'mode': 'min'|'max'}}")
+    return metric, mode
 
 
 def _item(name: Any, entry: Any, version: int) -> ItemEntry:

@@ -119,6 +119,8 @@ class StepInfo:
     metrics: Mapping[str, float]
     metadata: Mapping[str, Any]
     telemetry: Mapping[str, float]
+    #: the saving manager's best-step rule, (metric, "min" | "max"), if it had one
+    best: tuple[str, str] | None = None
 
     @property
     def bytes(self) -> int:
@@ -480,6 +482,7 @@ class CheckpointManager:
             budget=self._budget,
             incremental=self._incremental,
             settled=threading.Event(),
+            best=self._known_best(),
         )
         packed = None
         if self._executor is None or self._in_process:  # committed here, or sent: copies first
@@ -1161,6 +1164,7 @@ class CheckpointManager:
             metrics=metrics,
             metadata=manifest.metadata,
             telemetry=telemetry,
+            best=manifest.best,
         )
 
     # ------------------------------------------------------------------ metrics
@@ -1242,12 +1246,17 @@ class CheckpointManager:
         sign = 1.0 if mode == "min" else -1.0
         return min(scored, key=lambda sv: (sign * sv[1], -sv[0]))[0]
 
-    def _best_rule(self) -> tuple[str, str]:
+    def _known_best(self) -> tuple[str, str] | None:
+        """The best-step rule, if the manager has one: `best=`, or its one KeepBest."""
         if self._best is not None:
             return self._best
         bests = find_keep_best(self._keep)
-        if len(bests) == 1:
-            return bests[0].metric, bests[0].mode
+        return (bests[0].metric, bests[0].mode) if len(bests) == 1 else None
+
+    def _best_rule(self) -> tuple[str, str]:
+        rule = self._known_best()
+        if rule is not None:
+            return rule
         raise ValueError(
             "best_step() needs best=(metric, mode) or exactly one KeepBest in keep=; "
             f"keep={self._keep!r}"
