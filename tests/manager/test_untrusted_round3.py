@@ -447,3 +447,23 @@ def test_a_lease_naming_a_live_process_that_is_no_writer_is_taken_over(
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.parametrize(
+    "best", [{"metric": "loss", "mode": "up"}, {"metric": "", "mode": "min"}, ["loss", "min"], 7]
+)
+def test_a_malformed_best_rule_makes_the_step_damaged(tmp_path: Path, best: Any) -> None:
+    """The manifest's optional `best` (issue 43): anything but {metric, min|max} is malformed."""
+    with CheckpointManager(tmp_path, best=("loss", "min")) as mgr:
+        mgr.save(1, {"state": {"x": np.arange(3)}}, metrics={"loss": 1.0})
+        mgr.save(2, {"state": {"x": np.arange(3)}}, metrics={"loss": 0.5})
+    path = tmp_path / "checkpoint_2" / MANIFEST
+    body = json.loads(path.read_bytes())
+    assert body["best"] == {"metric": "loss", "mode": "min"}
+    del body["crc32c"]
+    body["best"] = best
+    path.write_bytes(dump_checked(body))
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="best"):
+            mgr.restore(2, fallback=False)
+        assert mgr.info(1).best == ("loss", "min")
