@@ -496,15 +496,32 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
     s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A crafted lease: its trainer's pid is gone, its writer's pid is a live process that
-    never exits. A new manager waits for that process (bounded), then refuses, naming it;
-    once that process is gone too, the lease is taken over at once (not after its hour)."""
+    never exits and runs cairn's writer (its command line names cairn.manager._writer). A new
+    manager waits for that process (bounded), then refuses, naming it; once that process is
+    gone too, the lease is taken over at once (not after its hour). A live process that runs
+    no writer (any pid a crafted lease names) is not waited for: taken over at once."""
     from cairn.manager import _objectstore
 
     url = f"{s3_bucket}/run"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    alive = subprocess.Popen(
+    other = subprocess.Popen(
         [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        owner = f"{socket.gethostname()}:{gone.pid}:crafted"
+        body = {"owner": owner, "expires": time.time() + 3600, "writer": other.pid}
+        _objectstore.ObjectStore(url, _objectstore.StorageOptions()).write(
+            ".cairn.lock", json.dumps(body).encode()
+        )
+        CheckpointManager(url, writer="process").close()  # taken over, not waited for
+    finally:
+        assert other.stdin is not None
+        other.stdin.close()
+        other.wait(timeout=30)
+    alive = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()  # cairn.manager._writer"],
+        stdin=subprocess.PIPE,
     )
     store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
     owner = f"{socket.gethostname()}:{gone.pid}:crafted"
