@@ -258,7 +258,10 @@ class CheckpointManager:
         self._given_metadata = given
         self._superseded: str | None = None  # why saves now raise, once a newer manager took over
         self._handing = threading.Lock()  # a save's hand-off to the commit thread; a takeover
-        self._refuse_other_naming()  # every process: none may wait for a primary that refused
+        refusal = self._other_naming() if self._storage.lists_cheaply else None
+        if refusal is not None:  # every process: none may wait for a primary that refused
+            self._storage.close()
+            raise ValueError(refusal)
         self._key = self._storage.identity
         if not read_only:
             _take_over(self._key, self)
@@ -283,9 +286,12 @@ class CheckpointManager:
                 self._storage.clean_leftovers(self._names)
                 if given is not None:
                     self._save_root_metadata(given)
+            refusal = None
             if self._procs.primary:
                 self._catalog.replace(self._scan())
-            self._run = self._open_together()
+                if not self._storage.lists_cheaply and not self._catalog.steps():
+                    refusal = self._other_naming()  # one more listing, of a directory to refuse
+            self._run = self._open_together(refusal)
             if self._writer:  # a crash between an item's drop and the removal of its files
                 self._storage.remove_dropped(
                     {
@@ -341,19 +347,22 @@ class CheckpointManager:
         mode = "read_only" if self._read_only else ("async" if self._async else "sync")
         return f"CheckpointManager({self._where!r}, {mode}, steps={self.all_steps()})"
 
-    def _open_together(self) -> str:
+    def _open_together(self, refusal: str | None = None) -> str:
         """The run id, drawn by the primary after its clean-up and scan. With several processes
         it broadcasts the id and the steps it found, and every other process reads just those
-        steps instead of listing the directory; then all meet."""
+        steps instead of listing the directory; then all meet. A `refusal` of the primary's
+        (`_other_naming`) is raised on every process."""
         run = uuid.uuid4().hex
         if self._procs.count == 1:
+            self._refuse(refusal)
             return run
         opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
         key = f"cairn/open/{opened}:{self._where}"  # the same on every process, per manager
-        mine = json.dumps({"run": run, "steps": self._catalog.steps()})
+        mine = json.dumps({"run": run, "steps": self._catalog.steps(), "refused": refusal})
         told = json.loads(
             self._procs.broadcast(key, mine if self._procs.primary else None, self._timeout)
         )
+        self._refuse(told.get("refused"))
         if not self._procs.primary:
             self._catalog.replace(self._read_steps(told["steps"]))
         self._procs.barrier(f"cairn/{told['run']}/opened", self._timeout)
@@ -1283,15 +1292,20 @@ class CheckpointManager:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
         self._catalog.replace(self._on_commit_thread(self._scan))
 
-    def _refuse_other_naming(self) -> None:
-        """ValueError, before anything is written, if the directory holds steps (cairn's, or
-        orbax-checkpoint's) under a naming other than ours and none under ours: a trainer would
-        otherwise start from scratch beside them."""
+    @staticmethod
+    def _refuse(refusal: str | None) -> None:
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def _other_naming(self) -> str | None:
+        """Why the directory is refused, if it holds steps (cairn's, or orbax-checkpoint's)
+        under a naming other than ours and none under ours: a trainer would otherwise start
+        from scratch beside them. Looked for before anything is written (on object stores, by
+        the primary after its listing found no step: the lease it took is released)."""
         found = self._storage.other_naming(self._names)
         if found is None:
-            return
+            return None
         other, who = found
-        self._storage.close()
         option = f"step_prefix={other.prefix!r}" + (
             f", step_digits={other.digits}" if other.digits is not None else ""
         )
@@ -1303,7 +1317,7 @@ class CheckpointManager:
             if who == "orbax-checkpoint"
             else "read them and save the next ones under the same names"
         )
-        raise ValueError(
+        return (
             f"{self._where} holds steps written by {who} named like {other.format(0)!r}, and "
             f"none named as {ours} expects ({self._names.format(0)!r}); open it with "
             f"CheckpointManager(..., {option}) to {then}"

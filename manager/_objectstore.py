@@ -625,6 +625,8 @@ class KvStorage:
 
     # ------------------------------------------------------------------ listing and reading
 
+    lists_cheaply = False
+
     def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
         """cairn's steps under another naming (one LIST); Orbax steps are not looked for:
         cairn reads them in place on local filesystems only."""

@@ -137,6 +137,8 @@ class PosixStorage:
                     found.append(listed)
         return sorted(found, key=lambda listed: listed.step)
 
+    lists_cheaply = True
+
     def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
         try:
             entries = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]

@@ -81,6 +81,9 @@ class Storage(Protocol):
 
     url: str  # the directory as users name it (a path or a URL), for messages
     identity: str  # one string per directory, however it was spelled (links, ``..`` resolved)
+    #: whether `other_naming` is cheap (a directory's entries: POSIX) or lists every object
+    #: (object stores: then only the primary looks, and only when it found no step)
+    lists_cheaply: bool
     multi_process: bool  # whether several processes of one job may write a step together
     # Whether the processes of a job share a step's deletion out (retire_step, remove_files,
     # finish_deletion) instead of the primary's delete_step doing it all.

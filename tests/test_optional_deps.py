@@ -188,7 +188,7 @@ def test_the_command_line_says_it_in_one_line(tmp_path: Path) -> None:
     assert plot.returncode == 2 and plot.stdout == "", plot
     assert plot.stderr.splitlines() == [
         "cairn: error: cairn metrics --plot needs matplotlib, which is not installed in this "
-        "Python (No module named 'matplotlib'); install it with: pip install matplotlib"
+        "Python (No module named 'matplotlib'); install it with: pip install 'cairn-ckpt[plot]'"
     ]
     assert not (tmp_path / "m.png").exists()
     bucket = child(tmp_path, "", "tensorstore", argv=[cairn, "ls", "s3://bucket/run"])

@@ -131,9 +131,14 @@ def test_snapshot_protects_against_later_mutation(
 
 
 def test_async_step_is_invisible_until_committed(
-    tmp_path: Path, gated_handler: InMemoryHandler, gate: Gate
+    tmp_path: Path, gated_handler: InMemoryHandler, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While the write is held, the step is neither listed nor on disk under its final name."""
+    """While the write is held, the step is neither listed nor on disk under its final name,
+    for a reader of another process (one in this process waits for it: read your writes,
+    tests/manager/test_read_your_writes.py; here it does not)."""
+    from cairn.manager import _manager
+
+    monkeypatch.setattr(_manager, "settle_writer", lambda key: None)
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
         assert mgr.save(1, {"x": "payload"})
         assert gate.entered.wait(30)
