@@ -331,7 +331,12 @@ def _ls(args: argparse.Namespace) -> int:
                 kept = ", ".join(row.get("kept_by", [])) or "(gc would delete)"
             line.append(kept)
         cells.append(line)
-    _console().print(_table(args.directory, columns, cells, right=(0, 2)))
+    console = _console()
+    if console.is_terminal:
+        console.print(_table(args.directory, columns, cells, right=(0, 2)))
+    else:  # plain columns, tab-separated, a header first: for cut, awk and the like
+        for line in [columns, *cells]:  # each cell escaped: a tab in a name is no column
+            print("\t".join(_printable(cell) for cell in line))
     return 0
 
 

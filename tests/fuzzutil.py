@@ -2002,7 +2002,7 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-_CONTROL = {c for c in range(0x20) if c not in (0x0A,)} | {0x7F} | set(range(0x80, 0xA0))
+_CONTROL = {c for c in range(0x20) if c not in (0x09, 0x0A)} | {0x7F} | set(range(0x80, 0xA0))
 
 
 def _contains_mark(obj: Any) -> bool:

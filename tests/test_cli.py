@@ -226,10 +226,11 @@ EVIL = "\x1b]0;pwned\x07\x1b[2J\r\nstep 9: ok [bold red]x\u202e\x9b\x7f"
 
 
 def assert_printable(text: str) -> None:
-    """Nothing a terminal acts on: every line printable (box drawing is), only \\n between them."""
+    """Nothing a terminal acts on: every line printable (box drawing is), only \\n between
+    lines and \\t between the columns of `ls` in a pipe (a tab in a name is escaped)."""
     for line in text.split("\n"):
-        assert line.isprintable(), repr(line)
-    assert not any((c < " " and c != "\n") or "\x7f" <= c <= "\x9f" for c in text)
+        assert line.replace("\t", " ").isprintable(), repr(line)
+    assert not any((c < " " and c not in "\n\t") or "\x7f" <= c <= "\x9f" for c in text)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -487,7 +488,8 @@ def on_terminal(*args: str) -> tuple[int, str, str]:
 
 def test_tables_on_a_terminal_plain_lines_in_a_pipe(tmp_path: Path) -> None:
     """Issue 20, point 15: show, metrics and verify print the same rich tables as ls on a
-    terminal (box drawing, bold headers); piped, they print the plain lines scripts read."""
+    terminal (box drawing, bold headers); piped, they print the plain lines scripts read, and
+    ls tab-separated columns (issue 43)."""
     with CheckpointManager(tmp_path) as mgr:
         for step in (1, 2):
             mgr.save(
@@ -508,6 +510,11 @@ def test_tables_on_a_terminal_plain_lines_in_a_pipe(tmp_path: Path) -> None:
         piped = cairn(*args)
         assert piped.returncode == 0 and "\x1b" not in piped.stdout, args
     assert cairn("metrics", str(tmp_path)).stdout.splitlines() == ["step acc", "1 0.25", "2 0.5"]
+    listed = cairn("ls", str(tmp_path)).stdout.splitlines()  # issue 43: columns, no box drawing
+    assert listed[0] == "step\tcommitted\tsize\tmetrics\titems\tstatus"
+    assert [line.split("\t")[0] for line in listed[1:]] == ["1", "2"]
+    assert listed[2].split("\t")[3:] == ["acc=0.5", "state", "listed"]
+    assert not any(c in "".join(listed) for c in "┃│┏━")
     assert cairn("verify", str(tmp_path)).stdout.splitlines() == [
         "step 1: ok",
         "step 2: ok",
