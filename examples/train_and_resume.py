@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import shutil
 import signal
@@ -34,6 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# TensorFlow's C++ log (a CPU build that looks for CUDA prints "failed call to cuInit" and the
+# instructions it was not built with, at every start of the trainer): not the demo's business.
+# The trainer children inherit it; set the variable to see TensorFlow's messages again.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 D_IN, HIDDEN, CLASSES, BATCH, EXAMPLES = 128, 512, 16, 64, 20_000
 

@@ -23,7 +23,12 @@ def test_train_and_resume_example(tmp_path: Path, pipeline: str, seed: int) -> N
     """The example's own checks pass (it exits non-zero otherwise) and its tables say so."""
     cmd = [sys.executable, str(EXAMPLE), "--dir", str(tmp_path / "run"), "--steps", "60"]
     cmd += ["--every", "10", "--pipeline", pipeline, "--seed", str(seed)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=True).stdout
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=True)
+    out = done.stdout
+    # No TensorFlow or CUDA log lines (issue 43): "E0000 ... failed call to cuInit", absl's
+    # "All log messages before absl::InitializeLog()", oneDNN's notice.
+    for noise in ("cuInit", "E0000", "absl::InitializeLog", "oneDNN", "cpu_feature_guard"):
+        assert noise not in out + done.stderr, (noise, done.stderr[-2000:])
     assert re.search(r"SIGKILL at step \d+, SIGTERM at step \d+", out)
     assert "OK: every loss after each resume equals the uninterrupted run's" in out
     rows = re.findall(r"│ (run \d) │ +(\w+) │ +(\d+)-(\d+) │", out)
