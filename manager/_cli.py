@@ -141,7 +141,10 @@ def _open(
                 directory, read_only=not writable, step_prefix=step_prefix, step_digits=step_digits
             )
         except Exception as e:  # a bad URL, no such bucket, no credentials, no network
-            raise _UsageError(f"{directory}: {type(e).__name__}: {e}") from None
+            message = _as_flags(str(e))  # cairn's own messages name the URL and the remedy
+            if not message.startswith(directory.rstrip("/")):
+                message = f"{directory}: {type(e).__name__}: {message}"
+            raise _UsageError(message) from None
     path = Path(directory)
     if not path.exists():
         raise _UsageError(f"{directory}: no such directory")

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -102,6 +103,36 @@ def _memory_context(ts: Any) -> Any:
         return _MEMORY[0]
 
 
+WATCH_S = 5.0  # an open's first request unanswered this long: a warning says what cairn waits for
+OPEN_TIMEOUT_S = 120.0  # ... and this long: ConnectionError (see `ObjectStore._result`)
+
+
+def _refusal(store: ObjectStore, error: ValueError, *, writing: bool = False) -> Exception:
+    """The service's refusal of an open's first request (or of a write: there NOT_FOUND can
+    only be the bucket), in one line that says what to do: a missing bucket, refused
+    credentials; else TensorStore's message without the XML or JSON body."""
+    text = str(error)
+    where = f" at {store._endpoint}" if store._endpoint else ""
+    missing = "NOT_FOUND" in text and (writing or "bucket" in text.lower())
+    if "NoSuchBucket" in text or missing:
+        return ValueError(
+            f"{store.url}: the bucket {store._bucket!r} does not exist{where}; create it, or "
+            "check the URL and the endpoint"
+        )
+    refused = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "PERMISSION_DENIED")
+    if any(code in text for code in (*refused, "UNAUTHENTICATED")):
+        code = next(c for c in (*refused, "UNAUTHENTICATED") if c in text)
+        return PermissionError(
+            f"{store.url}: the service{where} refused the request ({code}); check the "
+            "credentials and their access to the bucket"
+        )
+    short = _BODY.sub("", text)[:500]  # the service's XML or JSON body says it again
+    return ValueError(f"{store.url}: {short}")
+
+
+_BODY = re.compile(r" \[http_response_body=.*", re.DOTALL)
+
+
 def _dot_segments(key: str) -> bool:
     return any(part in (".", "..") for part in key.split("/"))
 
@@ -164,6 +195,67 @@ class ObjectStore:
         self._copier: _servercopy.Copier | None = None
         self._copies = True  # until a copy fails for a reason other than the source's change
         self._copier_lock = threading.Lock()
+        self._answered = scheme == "memory"  # until the service first answers (`_result`)
+        self._endpoint = endpoint
+
+    def _result(self, future: Any) -> Any:
+        """``future.result()``. Until the service has answered once (the open's first reads
+        and listings), the wait is watched and bounded: after `WATCH_S` seconds a warning says
+        what cairn waits for, after `OPEN_TIMEOUT_S` ConnectionError says what to check (an
+        unreachable endpoint, or no credentials, makes TensorStore retry for many minutes,
+        silently); a missing bucket or refused credentials is one line that says so, not the
+        service's XML."""
+        if self._answered:
+            return future.result()
+        try:
+            try:
+                result = future.result(timeout=WATCH_S)
+            except TimeoutError:
+                log.warning(
+                    "cairn: %s has not answered for %g s; waiting up to %g s in all (%s)",
+                    self.where,
+                    WATCH_S,
+                    OPEN_TIMEOUT_S,
+                    self._check_hint(),
+                )
+                result = future.result(timeout=OPEN_TIMEOUT_S - WATCH_S)
+        except TimeoutError:
+            future.cancel()
+            raise ConnectionError(
+                f"{self.where} did not answer within {OPEN_TIMEOUT_S:g} s: check "
+                f"{self._check_hint()}"
+            ) from None
+        except ValueError as e:
+            raise _refusal(self, e) from None
+        self._answered = True
+        return result
+
+    def check_bucket(self) -> None:
+        """One listing, watched and bounded as an open's first request (`_result`): raises
+        what is wrong with the bucket (missing, refused, unreachable), if anything. A write
+        that says only "not done" (a conditional write: TensorStore reports a missing bucket
+        so) is told apart from a lost race with it."""
+        self._answered = self._scheme == "memory"
+        self.list_range(LEASE, _successor(LEASE))
+
+    def _check_hint(self) -> str:
+        """What to check when the service does not answer."""
+        if self._scheme == "s3":
+            endpoint = (
+                f"the endpoint {self._endpoint} (AWS_ENDPOINT_URL or storage_options['endpoint'])"
+                if self._endpoint
+                else "the network to AWS"
+            )
+            return (
+                f"{endpoint}, and the credentials: AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, a profile, or the instance's role"
+            )
+        endpoint = (
+            f"the endpoint {self._endpoint} (TENSORSTORE_GCS_HTTP_URL)"
+            if self._endpoint
+            else "the network to Google Cloud Storage"
+        )
+        return f"{endpoint}, and the application default credentials"
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
@@ -172,11 +264,11 @@ class ObjectStore:
         """Every key under `prefix`, sorted."""
         if prefix:
             return self.list_range(prefix, _successor(prefix))
-        return sorted(k.decode() for k in self._kv.list().result())
+        return sorted(k.decode() for k in self._result(self._kv.list()))
 
     def read(self, key: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
-        result = self._kv.read(key).result()
+        result = self._result(self._kv.read(key))
         if result.state != "value":
             return None
         return bytes(result.value)
@@ -187,19 +279,24 @@ class ObjectStore:
         for start in range(0, len(keys), in_flight):
             futures = [self._kv.read(key) for key in keys[start : start + in_flight]]
             for future in futures:
-                result = future.result()
+                result = self._result(future)
                 out.append(bytes(result.value) if result.state == "value" else None)
         return out
 
     def read_with_generation(self, key: str) -> tuple[bytes | None, Any]:
-        result = self._kv.read(key).result()
+        result = self._result(self._kv.read(key))
         return (bytes(result.value) if result.state == "value" else None), result.stamp.generation
 
     def write(self, key: str, data: bytes, *, if_generation: Any = None) -> Any:
         """Write an object and return its new generation; with `if_generation`, only if the
         object is still at that generation (sent as If-Match, atomic on the server; the
         generation of a missing key means "only if absent", If-None-Match). None if it was not."""
-        stamp = self._kv.write(key, data, if_equal=if_generation).result()
+        try:
+            stamp = self._result(self._kv.write(key, data, if_equal=if_generation))
+        except ValueError as e:
+            if "NOT_FOUND" not in str(e):
+                raise
+            raise _refusal(self, e, writing=True) from None
         return stamp.generation or None
 
     def create(self, key: str, data: bytes) -> Any:
@@ -301,7 +398,7 @@ class ObjectStore:
 
     def list_range(self, start: str, stop: str) -> list[str]:
         """Every key k with start <= k < stop, sorted."""
-        found = self._kv.list(self._ts.KvStore.KeyRange(start, stop)).result()
+        found = self._result(self._kv.list(self._ts.KvStore.KeyRange(start, stop)))
         return sorted(k.decode() for k in found)
 
     def read_prefix(self, key: str, size: int, offset: int = 0) -> bytes | None:
@@ -440,6 +537,7 @@ class Lease:
                     "open it with read_only=True to read alongside"
                 )
         if not self._write():
+            store.check_bucket()  # a write refused: the bucket may be missing, not the race lost
             raise DirectoryLockedError(f"{store.url}: another writer took the lease first")
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +494,60 @@ def test_a_writer_that_lost_its_lease_changes_nothing(change: str) -> None:
         assert lease_of(store)["owner"] == "elsewhere:123:abcdef01"
         with contextlib.suppress(DirectoryLockedError, CommitError):
             mgr.close()
+
+
+# ---------------------------------------------------------------------------- issue 43, point 7
+
+
+@pytest.mark.parametrize(
+    ("backend", "read_only"), [("s3", True), ("s3", False), ("gs", False)]
+)  # fake-gcs-server lists a missing bucket as an empty one: a reader sees no step there
+def test_a_missing_bucket_is_one_line(
+    request: pytest.FixtureRequest, backend: str, read_only: bool
+) -> None:
+    """A bucket that does not exist: one line naming it and the remedy, not the service's XML
+    or JSON; a writable open on S3 used to say "another writer took the lease first" (its
+    conditional write of the lease was refused)."""
+    bucket = request.getfixturevalue("s3_bucket" if backend == "s3" else "gcs_bucket")
+    missing = f"{backend}://nobucket-{uuid.uuid4().hex[:8]}/run"
+    del bucket  # the fixture points the environment at the server
+    with pytest.raises(ValueError, match=r"the bucket 'nobucket-\w+' does not exist at http") as e:
+        CheckpointManager(missing, read_only=read_only)
+    assert "<" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unreachable_endpoint_says_what_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing answers at the endpoint: TensorStore retries for many minutes, silently. cairn
+    says what it waits for after WATCH_S, and gives up after OPEN_TIMEOUT_S (shortened here)
+    with ConnectionError naming the URL, the endpoint and what to check."""
+    from cairn.manager import _objectstore
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setattr(_objectstore, "WATCH_S", 1.0)
+    monkeypatch.setattr(_objectstore, "OPEN_TIMEOUT_S", 3.0)
+    started = time.monotonic()
+    with (
+        caplog.at_level(logging.WARNING, "cairn"),
+        pytest.raises(ConnectionError, match="did not answer within 3 s: check the endpoint"),
+    ):
+        CheckpointManager("s3://some-bucket/run", read_only=True)
+    assert time.monotonic() - started < 60
+    assert (
+        f"s3://some-bucket/run at http://127.0.0.1:{port} has not answered for 1 s" in caplog.text
+    )
+
+
+def test_the_command_line_says_a_missing_bucket_in_one_line(s3_bucket: str) -> None:
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    missing = f"s3://nobucket-{uuid.uuid4().hex[:8]}/run"
+    out = subprocess.run([cairn, "ls", missing], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"cairn: error: {missing}: the bucket ") and "does not exist" in line
