@@ -28,6 +28,7 @@ import numpy as np
 
 from cairn.handlers.errors import CairnError, MissingDependencyError
 from cairn.handlers.io import optional
+from cairn.manager._format import StepNames, namings
 from cairn.manager._manager import CheckpointManager
 
 
@@ -279,6 +280,37 @@ def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:
     ]
 
 
+def _step_like_hint(directory: Path, names: StepNames) -> str | None:
+    """What an empty listing of a local directory says of the step-like names it holds
+    (``checkpoint_000100``, ``ckpt_7``): none is a step (no manifest, no Orbax metadata; a
+    directory of steps under another naming is refused before this), and the flags that
+    would read steps named so."""
+    with contextlib.suppress(OSError):
+        entries = [e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+        found = namings(entries)
+        if not found:
+            return None
+        shown = sorted(name for _, steps in found for _, name in steps)
+        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+        lines = [
+            f"{_printable(str(directory))}: no steps; "
+            + (
+                "1 directory has a step-like name"
+                if len(shown) == 1
+                else f"{len(shown)} directories have step-like names"
+            )
+            + f" but no manifest: {', '.join(map(_printable, shown[:5]))}{more}"
+        ]
+        for naming, _ in found[:3]:
+            if naming != names:
+                flags = f"--step-prefix '{naming.prefix}'"
+                if naming.digits is not None:
+                    flags += f" --step-digits {naming.digits}"
+                lines.append(f"  steps named like {naming.format(1)!r} are read with {flags}")
+        return "\n".join(lines)
+    return None
+
+
 def _ls(args: argparse.Namespace) -> int:
     policy = _keep_policy(args)
     rows: list[dict[str, Any]] = []
@@ -309,6 +341,10 @@ def _ls(args: argparse.Namespace) -> int:
             if policy is not None:
                 row["kept_by"] = reasons.get(step, [])
             rows.append(row)
+    if not rows and "://" not in args.directory:
+        hint = _step_like_hint(Path(args.directory), StepNames(args.step_prefix, args.step_digits))
+        if hint:
+            print(hint, file=sys.stderr)
     if args.json:
         _json(rows)
         return 0

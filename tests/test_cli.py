@@ -218,6 +218,33 @@ def test_padded_step_names(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "step_digits must be" in bad.stderr
 
 
+def test_an_empty_listing_names_the_step_like_directories(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Directories named like steps that hold none (no manifest, no Orbax metadata) are not
+    refused, but an empty listing says what they are and which flags read steps named so."""
+    for name in ("checkpoint_000100", "ckpt_7", "ckpt_8", f"ckpt_9{EVIL}", "notes"):
+        (tmp_path / name).mkdir()
+    code, out, err = run_cli(capsys, "ls", str(tmp_path))
+    assert code == 0 and out.splitlines() == ["step\tcommitted\tsize\tmetrics\titems\tstatus"]
+    assert "no steps; 3 directories have step-like names but no manifest" in err
+    assert "checkpoint_000100, ckpt_7, ckpt_8" in err and "notes" not in err
+    assert "--step-prefix 'ckpt'" in err and "--step-prefix 'checkpoint' --step-digits 6" in err
+    code, out, err = run_cli(capsys, "ls", str(tmp_path), "--step-prefix", "ckpt", "--json")
+    assert code == 0 and "--step-prefix" not in err  # named as steps: listed as damaged
+    assert [(r["step"], r["status"][:8]) for r in json.loads(out)] == [
+        (7, "damaged:"),
+        (8, "damaged:"),
+    ]
+    (tmp_path / "ckpt_7").rmdir()
+    (tmp_path / "ckpt_8").rmdir()
+    code, out, err = run_cli(capsys, "ls", str(tmp_path), "--json")
+    assert "1 directory has a step-like name but no manifest: checkpoint_000100\n" in err
+    for name in ("checkpoint_000100", "notes"):
+        (tmp_path / name).rmdir()
+    assert run_cli(capsys, "ls", str(tmp_path))[2] == ""  # nothing step-like: nothing said
+
+
 # ---------------------------------------------------------------------------- untrusted names
 
 # What a stranger's directory may hold in a name: a window-title OSC, clear-screen, a carriage
