@@ -385,7 +385,7 @@ def run_round(spec: dict[str, Any]) -> dict[str, Any]:
 
     from cairn.handlers import TrainStateHandler
     from cairn.manager import CheckpointManager
-    from cairn.manager._objectstore import ObjectStore, StorageOptions
+    from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
     threads, chunk_bytes = spec["threads"], spec["chunk_bytes"]
     patches = spec["patches"]
@@ -580,7 +580,7 @@ def patch_restore_copy_nogil() -> Patch:
     four read threads copy one at a time). `Source.readinto`, as `_KvSource` inherits it."""
     import numpy as np
 
-    from cairn.manager import _objectstore
+    from cairn.manager._storage import objectstore as _objectstore
 
     def readinto(self: Any, relpath: str, buffers: Any) -> int:
         total = sum(b.nbytes for b in buffers)
@@ -601,7 +601,7 @@ def patch_put_drop_join_early() -> Patch:
     the PUT completes. Today each writer thread holds two copies of its file during the PUT
     (the b"".join and TensorStore's), so the RSS beyond the snapshot is about
     2 x threads x chunk size; this makes it about 1 x."""
-    from cairn.manager import _objectstore
+    from cairn.manager._storage import objectstore as _objectstore
 
     def _put(self: Any, relpath: str, pieces: list[memoryview]) -> None:
         key = self._prefix + relpath

@@ -72,9 +72,9 @@ class Recorder:
 def install_wrappers(rec: Recorder) -> None:
     """Wrap the calls whose ends the latency measurement needs (see the module docstring)."""
     from cairn.handlers import Destination
+    from cairn.manager._core.multihost import Processes
     from cairn.manager._format import MANIFEST
-    from cairn.manager._multihost import Processes
-    from cairn.manager._objectstore import _CLAIM_TAG, Lease, ObjectStore, _KvPrepared
+    from cairn.manager._storage.objectstore import _CLAIM_TAG, Lease, ObjectStore, _KvPrepared
 
     def timed(owner: Any, attr: str, kind: str, name_of: Callable[..., str | None]) -> None:
         original = getattr(owner, attr)
@@ -181,8 +181,8 @@ def main() -> None:
 
     from cairn.handlers import TrainStateHandler, handler_for
     from cairn.manager import CheckpointManager
-    from cairn.manager._multihost import Processes
-    from cairn.manager._objectstore import ObjectStore, StorageOptions
+    from cairn.manager._core.multihost import Processes
+    from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
     procs = Processes.detect()
     assert (procs.index, procs.count) == (int(pid), int(count)), procs

@@ -4,9 +4,8 @@ from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest
 """
 
 from cairn.manager import errors, orbax, speechbrain, t5x
-from cairn.manager._format import FORMAT_VERSION
-from cairn.manager._manager import CheckpointManager, ItemInfo, StepInfo
-from cairn.manager._policies import (
+from cairn.manager._core.manager import CheckpointManager, ItemInfo, StepInfo
+from cairn.manager._core.policies import (
     AnyOf,
     AtSteps,
     EveryNSeconds,
@@ -21,6 +20,7 @@ from cairn.manager._policies import (
     SavePolicy,
     StepView,
 )
+from cairn.manager._format import FORMAT_VERSION
 from cairn.manager.errors import (
     BarrierTimeoutError,
     CairnError,

@@ -2,6 +2,6 @@
 
 import sys
 
-from cairn.manager._cli import main
+from cairn.manager._surfaces.cli import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@
 (docs/migrating-from-speechbrain.md).
 """
 
-from cairn.manager._speechbrain import (
+from cairn.manager._surfaces.speechbrain import (
     CKPT_PREFIX,
     DEFAULT_LOAD_HOOKS,
     DEFAULT_SAVE_HOOKS,

@@ -2,7 +2,7 @@
 ``from cairn.manager import t5x as checkpoints`` (docs/migrating-from-t5x.md).
 """
 
-from cairn.manager._t5x import (
+from cairn.manager._surfaces.t5x import (
     Checkpointer,
     DatasetCheckpointHandler,
     LazyArray,

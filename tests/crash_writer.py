@@ -52,7 +52,7 @@ def expected_data(step: int) -> Shuffled:
 def _phases() -> dict[str, tuple[Any, str, str, Callable[..., bool]]]:
     """PHASE -> (owner, attribute, "before"|"after", which calls count)."""
     from cairn.handlers import _files
-    from cairn.manager import _posix
+    from cairn.manager._storage import posix as _posix
 
     def every(*args: Any) -> bool:
         return True

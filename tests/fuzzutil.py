@@ -320,7 +320,7 @@ def t5x_train_state() -> dict[str, Any]:
 
 
 def build_t5x_template(path: Path) -> Template:
-    """Steps in T5X's own layout (manager/_t5x_legacy.py reads them), as T5X writes them."""
+    """Steps in T5X's own layout (manager/_layouts/t5x.py reads them), as T5X writes them."""
     from t5x_legacy_writer import write_legacy_step
 
     for step in (100, 200):
@@ -2021,7 +2021,7 @@ def _contains_mark(obj: Any) -> bool:
 
 
 def cli(runner: Runner, *argv: str) -> None:
-    from cairn.manager._cli import main
+    from cairn.manager._surfaces.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     name = "cairn " + " ".join("DIR" if a == runner.root else a for a in argv)
@@ -2374,7 +2374,7 @@ def run_s3_case(template: Template, work: Path, muts: list[Mutation], bucket: st
     """A case in a bucket (`bucket` is ``s3://name``; each case under its own prefix): the
     template and the sentinel uploaded side by side, then every operation on the URL. Staging
     and cache directories go under the case's own temporary directory."""
-    from cairn.manager._objectstore import ObjectStore, StorageOptions
+    from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
     case = Case(template, work)
     case.apply_all([m for m in muts if m.kind != "s3.key"])

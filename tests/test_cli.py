@@ -15,8 +15,8 @@ from iterutil import Shuffled
 
 from cairn.handlers import JsonHandler
 from cairn.manager import CheckpointManager, KeepBest
-from cairn.manager._cli import main
 from cairn.manager._format import dump_checked, load_checked
+from cairn.manager._surfaces.cli import main
 
 CAIRN = str(Path(sys.executable).with_name("cairn"))
 

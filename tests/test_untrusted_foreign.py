@@ -35,8 +35,8 @@ from test_orbax_interop import assert_tree, write_orbax
 
 from cairn.manager import CheckpointManager, CorruptCheckpointError
 from cairn.manager import t5x as checkpoints
-from cairn.manager._cli import main as cairn_main
 from cairn.manager._format import dump_checked, load_checked
+from cairn.manager._surfaces.cli import main as cairn_main
 from cairn.manager.speechbrain import Checkpointer
 
 

@@ -268,7 +268,7 @@ def test_linked_files_are_not_fsynced_again(
 ) -> None:
     """A link's content is durable since the step it comes from was committed: the commit
     fsyncs the files it wrote and every directory, not the linked files."""
-    from cairn.manager import _posix
+    from cairn.manager._storage import posix as _posix
 
     synced: list[str] = []
     real = _posix.fsync_path

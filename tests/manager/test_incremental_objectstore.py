@@ -20,9 +20,10 @@ from countproxy import CountingProxy, Request
 from treeutil import assert_tree_equal
 
 from cairn.handlers.io import KnownFiles
-from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest, _objectstore
+from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest
 from cairn.manager._format import MANIFEST
-from cairn.manager._objectstore import ObjectStore, StorageOptions
+from cairn.manager._storage import objectstore as _objectstore
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 FROZEN = "state/arrays/0/0"  # the frozen leaf's one chunk ("frozen" sorts before "lora")
 LORA = "state/arrays/1/0"

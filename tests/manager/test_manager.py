@@ -136,7 +136,7 @@ def test_async_step_is_invisible_until_committed(
     """While the write is held, the step is neither listed nor on disk under its final name,
     for a reader of another process (one in this process waits for it: read your writes,
     tests/manager/test_read_your_writes.py; here it does not)."""
-    from cairn.manager import _manager
+    from cairn.manager._core import manager as _manager
 
     monkeypatch.setattr(_manager, "settle_writer", lambda key: None)
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:

@@ -37,7 +37,7 @@ from cairn.manager import (
     _objectstore,
 )
 from cairn.manager._format import LOCK, MANIFEST
-from cairn.manager._objectstore import ObjectStore, StorageOptions
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
 
@@ -522,7 +522,7 @@ def test_an_unreachable_endpoint_says_what_it_waits_for(
     """Nothing answers at the endpoint: TensorStore retries for many minutes, silently. cairn
     says what it waits for after WATCH_S, and gives up after OPEN_TIMEOUT_S (shortened here)
     with ConnectionError naming the URL, the endpoint and what to check."""
-    from cairn.manager import _objectstore
+    from cairn.manager._storage import objectstore as _objectstore
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -175,7 +175,7 @@ def test_save_and_restore_stage_nothing_locally(
 ) -> None:
     import tensorstore as ts
 
-    from cairn.manager._objectstore import ObjectStore, StorageOptions
+    from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
     tmpfs = tmp_path / "tmpfs"
     tmpfs.mkdir()

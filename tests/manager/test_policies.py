@@ -23,7 +23,7 @@ from cairn.manager import (
     SaveContext,
     StepView,
 )
-from cairn.manager._policies import steps_to_delete
+from cairn.manager._core.policies import steps_to_delete
 
 NAN = float("nan")
 INF = float("inf")

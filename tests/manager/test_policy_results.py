@@ -192,7 +192,7 @@ def test_bool_and_numpy_bool_are_answers(tmp_path: Path, answer: Any, saved: boo
 
 
 def test_the_checks_called_directly() -> None:
-    from cairn.manager._policies import checked_keep, checked_should_save, steps_to_delete
+    from cairn.manager._core.policies import checked_keep, checked_should_save, steps_to_delete
 
     views = [StepView(s, float(s)) for s in STEPS]
     assert steps_to_delete(views, Keeps(set())) == [1, 2]

@@ -24,7 +24,7 @@ from conftest import Gate
 from cairn.handlers import InMemoryHandler, TrainStateHandler
 from cairn.manager import CheckpointManager
 from cairn.manager import t5x as checkpoints
-from cairn.manager._cli import main as cairn_main
+from cairn.manager._surfaces.cli import main as cairn_main
 
 
 class Waiting(logging.Handler):

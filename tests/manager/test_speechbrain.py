@@ -545,13 +545,13 @@ assert registry() == builtins, "the Checkpointer registered a handler"
 # runs, so only a built-in handler of cairn.handlers can restore the step.
 _READER = """
 import json, sys, types
-for name in ("cairn.manager.speechbrain", "cairn.manager._speechbrain"):
+for name in ("cairn.manager.speechbrain", "cairn.manager._surfaces.speechbrain"):
     sys.modules[name] = types.ModuleType(name)
 from cairn.manager import CheckpointManager
 with CheckpointManager(sys.argv[1], read_only=True, step_prefix="CKPT") as mgr:
     info = mgr.info(0)
     restored = mgr.restore(0)
-assert not hasattr(sys.modules["cairn.manager._speechbrain"], "Checkpointer")
+assert not hasattr(sys.modules["cairn.manager._surfaces.speechbrain"], "Checkpointer")
 print(json.dumps({
     "handlers": {n: [i.handler, i.version] for n, i in info.items.items()},
     "paths": {n: str(restored[n]) for n in ("net", "counter", "custom")},

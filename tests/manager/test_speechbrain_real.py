@@ -169,7 +169,7 @@ def test_crafted_meta_tags_are_damage_not_objects(
     """A manifest meta with cairn's tags that cairn did not write (a path that is not a str, a
     tensor that is not an array) makes that checkpoint skipped with a warning, the others
     listed."""
-    from cairn.manager import _speechbrain as impl
+    from cairn.manager._surfaces import speechbrain as impl
 
     for bad in (
         {"__cairn__": "path", "value": 1},

@@ -49,7 +49,7 @@ from cairn.manager import (
     StepAlreadyExistsError,
     StepNotFoundError,
 )
-from cairn.manager._commit import SaveJob, commit_step
+from cairn.manager._core.commit import SaveJob, commit_step
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -60,8 +60,9 @@ from cairn.manager._format import (
     dump_checked,
     load_checked,
 )
-from cairn.manager._objectstore import KvStorage, ObjectStore, StorageOptions
-from cairn.manager._storage import Prepared, Storage, open_storage
+from cairn.manager._storage.base import Prepared, Storage
+from cairn.manager._storage.objectstore import KvStorage, ObjectStore, StorageOptions
+from cairn.manager._storage.open import open_storage
 
 NAMES = StepNames()
 HANDLERS: dict[str, Handler] = {
@@ -461,7 +462,7 @@ class StorageSuite:
         read-only manager (as in another process: one in this process would wait for the
         save, tests/manager/test_read_your_writes.py) nor the storage's own listing sees the
         step; once released, both do (the manager after reload)."""
-        from cairn.manager import _manager
+        from cairn.manager._core import manager as _manager
 
         monkeypatch.setattr(_manager, "settle_writer", lambda key: None)
         first, second = Gate(), Gate()

@@ -699,7 +699,7 @@ def test_legacy_manifest_describes_a_t5x_step(tmp_path: Path) -> None:
     """What a storage can list for a T5X step (a foreign, read-only step), or None."""
     import tensorflow as tf
 
-    from cairn.manager import _t5x_legacy
+    from cairn.manager._layouts import t5x as _t5x_legacy
 
     plain = write_legacy_step(tmp_path / "a", t5x_state(1))
     with_ds = write_legacy_step(

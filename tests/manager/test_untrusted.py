@@ -24,8 +24,8 @@ import xxhash
 from cairn.handlers import JsonHandler, TrainStateHandler
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager, KeepLatest
-from cairn.manager._cli import main
 from cairn.manager._format import dump_checked
+from cairn.manager._surfaces.cli import main
 
 # What the zarr layout writes and shares, file by file (tests/handlers/test_packed.py: packs).
 pytestmark = pytest.mark.usefixtures("zarr_layout")

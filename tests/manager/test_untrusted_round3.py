@@ -26,9 +26,11 @@ import xxhash
 
 from cairn.handlers import TrainStateHandler
 from cairn.handlers.errors import CorruptCheckpointError
-from cairn.manager import CheckpointManager, EveryNSeconds, _manager, _policies
+from cairn.manager import CheckpointManager, EveryNSeconds
+from cairn.manager._core import manager as _manager
+from cairn.manager._core import policies as _policies
 from cairn.manager._format import LOCK, MANIFEST, dump_checked
-from cairn.manager._objectstore import ObjectStore, StorageOptions
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 N = 1 << 18  # floats: 1 MiB a leaf, one chunk each, both in one pack
 

@@ -27,7 +27,7 @@ from writer_items import Killer, Raiser
 from cairn.handlers import InMemoryHandler
 from cairn.manager import CheckpointManager, KeepLatest
 from cairn.manager._format import StepNames
-from cairn.manager._objectstore import KvStorage, StorageOptions
+from cairn.manager._storage.objectstore import KvStorage, StorageOptions
 from cairn.manager.errors import (
     BarrierTimeoutError,
     CommitError,
@@ -368,8 +368,8 @@ def test_a_writer_waiting_at_a_meeting_tells_its_trainer_it_lives(tmp_path: Path
     """A writer process waiting for the other processes' writers (bounded by barrier_timeout
     too) says so about once a second, so that its trainer's bound on its silence does not
     end the wait first: the wait ends with its own BarrierTimeoutError."""
-    from cairn.manager._storage import open_storage
-    from cairn.manager._writer import StoredMeetings
+    from cairn.manager._core.writer import StoredMeetings
+    from cairn.manager._storage.open import open_storage
 
     said: list[float] = []
     storage = open_storage(tmp_path, None)
@@ -496,11 +496,11 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
     s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A crafted lease: its trainer's pid is gone, its writer's pid is a live process that
-    never exits and runs cairn's writer (its command line names cairn.manager._writer). A new
+    never exits and runs cairn's writer (its command line names cairn.manager._core.writer). A new
     manager waits for that process (bounded), then refuses, naming it; once that process is
     gone too, the lease is taken over at once (not after its hour). A live process that runs
     no writer (any pid a crafted lease names) is not waited for: taken over at once."""
-    from cairn.manager import _objectstore
+    from cairn.manager._storage import objectstore as _objectstore
 
     url = f"{s3_bucket}/run"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -520,7 +520,7 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
         other.stdin.close()
         other.wait(timeout=30)
     alive = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()  # cairn.manager._writer"],
+        [sys.executable, "-c", "import sys; sys.stdin.read()  # cairn.manager._core.writer"],
         stdin=subprocess.PIPE,
     )
     store = _objectstore.ObjectStore(url, _objectstore.StorageOptions())
@@ -773,7 +773,7 @@ def test_a_crafted_lock_file_gives_a_clear_refusal(
     (pid 1 lives: waited for, as a writer would be), never another exception."""
     import fcntl
 
-    from cairn.manager import _posix
+    from cairn.manager._storage import posix as _posix
 
     monkeypatch.setattr(_posix, "WRITER_WAIT_S", 0.2)
     with open(tmp_path / ".cairn.lock", "w") as held:
@@ -795,7 +795,7 @@ def test_on_an_accelerator_the_host_copies_reach_the_writer_in_shared_memory(
     import jax.numpy as jnp
 
     import cairn.handlers._train_state as impl
-    from cairn.manager import _writer
+    from cairn.manager._core import writer as _writer
 
     monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
     sent: list[tuple[int, int]] = []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cairn.manager._objectstore import ObjectStore, StorageOptions
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ def main() -> None:
         initialization_timeout=60,
     )
     from cairn.manager import BarrierTimeoutError
-    from cairn.manager._multihost import Processes
+    from cairn.manager._core.multihost import Processes
 
     procs = Processes.detect()
     assert (procs.index, procs.count) == (pid, count), procs
@@ -325,10 +325,10 @@ def install_kill(kill: str, procs: Any) -> None:
     process right after the outcome arrived).
     """
     from cairn.handlers import Destination
-    from cairn.manager import _commit
-    from cairn.manager._multihost import Processes
-    from cairn.manager._objectstore import _KvPrepared
-    from cairn.manager._posix import _Prepared
+    from cairn.manager._core import commit as _commit
+    from cairn.manager._core.multihost import Processes
+    from cairn.manager._storage.objectstore import _KvPrepared
+    from cairn.manager._storage.posix import _Prepared
 
     victim, point = kill.split(":")
     if int(victim) != procs.index:

@@ -13,9 +13,9 @@ from conftest import Place
 from launcher import launch
 
 from cairn.manager import CheckpointManager
+from cairn.manager._core.multihost import Processes
 from cairn.manager._format import MANIFEST
-from cairn.manager._multihost import Processes
-from cairn.manager._objectstore import ObjectStore, StorageOptions
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 
 def test_single_process_needs_no_coordination() -> None:

@@ -43,7 +43,6 @@ from cairn.handlers.errors import (
     StepAlreadyExistsError,
 )
 from cairn.handlers.io import KnownFiles, RangeHashes, Ranges, check_relative, optional
-from cairn.manager import _servercopy
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -55,8 +54,9 @@ from cairn.manager._format import (
     namings,
     unix_time,
 )
-from cairn.manager._storage import Listed, Reclaim
-from cairn.manager._writer import WRITER_WAIT_S, pid_alive, runs_writer, wait_for_orphan
+from cairn.manager._storage import servercopy as _servercopy
+from cairn.manager._storage.base import Listed, Reclaim
+from cairn.manager._storage.orphans import WRITER_WAIT_S, pid_alive, runs_writer, wait_for_orphan
 
 log = logging.getLogger("cairn")
 

@@ -38,10 +38,8 @@ from cairn.handlers.errors import (
     SupersededError,
 )
 from cairn.handlers.io import open_regular, read_no_follow
-from cairn.manager import _t5x_legacy as legacy  # existing T5X runs: T5X's own layouts
-from cairn.manager._format import MANIFEST, Manifest
-from cairn.manager._manager import CheckpointManager, settle_writer
-from cairn.manager._policies import (
+from cairn.manager._core.manager import CheckpointManager, settle_writer
+from cairn.manager._core.policies import (
     AnyOf,
     AtSteps,
     EveryNSteps,
@@ -51,7 +49,10 @@ from cairn.manager._policies import (
     KeepPolicy,
     StepView,
 )
-from cairn.manager._validate import as_step
+from cairn.manager._core.validate import as_step
+from cairn.manager._format import MANIFEST, Manifest
+from cairn.manager._layouts import t5x as legacy  # existing T5X runs: T5X's own layouts
+from cairn.manager._surfaces.t5x_foreign import load_foreign, restore_foreign
 
 log = logging.getLogger("cairn")
 
@@ -483,7 +484,7 @@ def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
         match = _STEP_DIR.fullmatch(entry.name)
         if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found.setdefault(int(match.group(1)), Path(entry.path))
-    # existing T5X runs (manager/_t5x_legacy.py): steps T5X wrote count too, read-only
+    # existing T5X runs (manager/_layouts/t5x.py): steps T5X wrote count too, read-only
     for step, step_dir in legacy.t5x_steps(root).items():
         found.setdefault(step, step_dir)
     return found
@@ -574,8 +575,8 @@ def load_t5x_checkpoint(
         raise TypeError("remap and lazy_parameters must be bools")
     mgr, found = _open_step(path, step)
     with mgr:
-        # existing T5X runs (manager/_t5x_legacy.py): a step in T5X's legacy or Orbax layout
-        foreign = legacy.load_foreign(
+        # existing T5X runs (manager/_layouts/t5x.py): a step in T5X's legacy or Orbax layout
+        foreign = load_foreign(
             mgr,
             found,
             state_item=STATE,
@@ -1055,8 +1056,8 @@ class _T5XCheckpointing:
                     f"(steps: {mgr.all_steps()})"
                 )
         try:
-            # existing T5X runs (manager/_t5x_legacy.py): a step in T5X's legacy or Orbax layout
-            foreign = legacy.restore_foreign(
+            # existing T5X runs (manager/_layouts/t5x.py): a step in T5X's legacy or Orbax layout
+            foreign = restore_foreign(
                 mgr,
                 step,
                 _restore_target(self._template, self._partitioner),

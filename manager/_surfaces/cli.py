@@ -28,8 +28,8 @@ import numpy as np
 
 from cairn.handlers.errors import CairnError, MissingDependencyError
 from cairn.handlers.io import optional
+from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._format import StepNames, namings
-from cairn.manager._manager import CheckpointManager
 
 
 class _UsageError(Exception):
@@ -210,7 +210,7 @@ def _step_arg(mgr: CheckpointManager, step: int, directory: str) -> int:
 
 def _keep_policy(args: argparse.Namespace) -> Any:
     """The keep policy the gc/ls options describe, or None when none is given."""
-    from cairn.manager._policies import AnyOf, KeepBest, KeepEvery, KeepLatest
+    from cairn.manager._core.policies import AnyOf, KeepBest, KeepEvery, KeepLatest
 
     for flag, value in (
         ("--keep-latest", args.keep_latest),
@@ -242,7 +242,7 @@ def _keep_policy(args: argparse.Namespace) -> Any:
 
 def _kept_by(policy: Any, views: list[Any]) -> dict[int, list[str]]:
     """For each step, the parts of `policy` that keep it (the newest is always kept)."""
-    from cairn.manager._policies import AnyOf, checked_keep
+    from cairn.manager._core.policies import AnyOf, checked_keep
 
     parts: list[Any] = list(policy.policies) if isinstance(policy, AnyOf) else [policy]
     reasons: dict[int, list[str]] = {v.step: [] for v in views}
@@ -271,7 +271,7 @@ def _is_orbax(info: Any) -> bool:
 
 def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:
     """The steps retention considers: readable cairn steps (Orbax steps too with all_readable)."""
-    from cairn.manager._policies import StepView
+    from cairn.manager._core.policies import StepView
 
     return [
         StepView(step, info.started_at, dict(info.metrics))
@@ -573,7 +573,7 @@ def _plot(
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from cairn.manager._policies import steps_to_delete
+    from cairn.manager._core.policies import steps_to_delete
 
     policy = _keep_policy(args)
     if policy is None:
@@ -624,7 +624,7 @@ def _progress(
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cairn.manager._orbax_interop import export_step
+    from cairn.manager._surfaces.orbax_interop import export_step
 
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
         _step_arg(mgr, args.step, args.directory)

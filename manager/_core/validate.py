@@ -9,8 +9,8 @@ from typing import Any, Literal
 import numpy as np
 
 from cairn.handlers import Handler
+from cairn.manager._core.policies import KeepPolicy, policy_kind
 from cairn.manager._format import item_name_problem
-from cairn.manager._policies import KeepPolicy, policy_kind
 
 
 def as_step(step: Any, *, argument: str = "step") -> int:

@@ -42,9 +42,9 @@ from cairn.manager._format import (
     namings,
     trash_name,
 )
-from cairn.manager._orbax_steps import orbax_step
-from cairn.manager._storage import Listed, Reclaim
-from cairn.manager._writer import WRITER_WAIT_S, wait_for_orphan
+from cairn.manager._layouts.orbax import orbax_step
+from cairn.manager._storage.base import Listed, Reclaim
+from cairn.manager._storage.orphans import WRITER_WAIT_S, wait_for_orphan
 
 log = logging.getLogger("cairn")
 

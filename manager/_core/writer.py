@@ -54,6 +54,7 @@ from typing import Any, NoReturn
 from cairn.handlers.errors import BarrierTimeoutError, WriterProcessError, WriterTimeoutError
 from cairn.handlers.io import Slab
 from cairn.manager._format import SYNC_PREFIX, Manifest, check_sync_name
+from cairn.manager._storage.orphans import WRITER_MODULE
 
 log = logging.getLogger("cairn")
 
@@ -218,65 +219,6 @@ def pack_job(job: Any) -> tuple[bytes, list[int]]:
             f"({type(e).__name__}: {e})"
         ) from None
     return buffer.getvalue(), pickler.fds
-
-
-WRITER_WAIT_S = 600.0  # how long a new trainer waits for an orphaned writer process to finish
-_PID_MAX = 1 << 22  # Linux's largest pid_max
-
-
-def pid_alive(pid: int) -> bool | None:
-    """Whether process `pid` runs on this host; None when it runs as another user (it may
-    not be signalled, so it is not ours to wait for). A pid no process can have (read from a
-    crafted lock or lease) is not running."""
-    if not 0 < pid <= _PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return None
-    return True
-
-
-def runs_writer(pid: int) -> bool:
-    """Whether process `pid` runs cairn's writer (`_ENTRY`), as far as /proc tells; True where
-    it cannot tell. A lease or lock file is read from the directory: it may name any live pid
-    (pid 1, say), which a new trainer would otherwise wait for in vain."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"cairn.manager._writer" in f.read()
-    except FileNotFoundError:
-        return False  # gone meanwhile
-    except OSError:
-        return True
-
-
-def wait_for_orphan(trainer: int, writer: int, timeout: float) -> bool:
-    """If `trainer` (a pid on this host) is gone and `writer`, the writer process it started,
-    may still be committing what it was handed, wait up to `timeout` seconds for the writer to
-    exit (on a pidfd: no polling); whether there was such a writer to wait for. A storage that
-    records both pids (the lock file, the lease) calls this before taking over from a trainer
-    that ended, so that it does not clean up the step being committed."""
-    if pid_alive(trainer) is not False:  # the trainer lives: it holds the directory
-        return False
-    if not pid_alive(writer) or not runs_writer(writer):
-        return True
-    try:
-        pidfd = os.pidfd_open(writer)
-    except OSError:  # gone already
-        return True
-    try:
-        log.warning(
-            "cairn: the writer process (pid %d) of a trainer that ended (pid %d) is finishing "
-            "its commits; waiting for it",
-            writer,
-            trainer,
-        )
-        select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    return True
 
 
 _LOOK_EVERY_S = 1.0  # how often a trainer owed an answer looks at its writer process
@@ -649,16 +591,16 @@ def _lower_session_priority() -> None:
         f.write(str(BACKGROUND_NICE))
 
 
-_ENTRY = "import sys; from cairn.manager._writer import main; sys.exit(main(int(sys.argv[1])))"
+_ENTRY = f"import sys; from {WRITER_MODULE} import main; sys.exit(main(int(sys.argv[1])))"
 
 
 def main(sock_fd: int) -> int:
     """The writer process: commit each job the trainer sends, in order, until it hangs up."""
     from cairn.handlers.io import WriteBudget, lower_thread_priority
-    from cairn.manager._commit import commit_step
+    from cairn.manager._core.commit import commit_step
+    from cairn.manager._core.multihost import SINGLE, Meetings
     from cairn.manager._format import StepNames
-    from cairn.manager._multihost import SINGLE, Meetings
-    from cairn.manager._storage import open_storage
+    from cairn.manager._storage.open import open_storage
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's Ctrl-C is not ours
@@ -746,7 +688,7 @@ def main(sock_fd: int) -> int:
 def _retention_after_trainer(storage: Any, names: Any, packed: bytes | None) -> None:
     """The trainer died: apply its retention to the steps this writer committed for it, as its
     commit thread would have after each answer (it may have died before)."""
-    from cairn.manager._catalog import Catalog, apply_retention, read_record
+    from cairn.manager._core.catalog import Catalog, apply_retention, read_record
 
     try:
         if packed is None:

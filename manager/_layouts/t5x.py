@@ -603,55 +603,10 @@ def restore_dataset(step_dir: Path, iterator: Any, step: int) -> Any:
     return iterator
 
 
-# ---------------------------------------------------------------------------- one entry point
-
-
-def restore_foreign(
-    manager: Any,
-    step: int,
-    template: Any,
-    *,
-    state_item: str,
-    dataset_item: str,
-    dataset_iterator: Any = None,
-    **options: Any,
-) -> dict[str, Any] | None:
-    """Restore `step` of `manager`'s directory if a T5X job wrote it (its legacy layout, or its
-    Orbax layout, which the manager lists as a read-only Orbax step); None for a cairn step.
-
-    `options` go to `restore_into` (restore_dtype, cast, transforms, fallback_state, lazy).
-    The dataset iterator, if given, is restored in place."""
-    directory = manager.directory
-    if isinstance(directory, Path):
-        step_dir = legacy_steps(directory).get(step)
-        if step_dir is not None:
-            where = f"T5X step {step} at {step_dir}"
-            saved = read_legacy(step_dir)
-            state = restore_into(saved, template, where=where, **options)
-            if dataset_iterator is not None:
-                restore_dataset(step_dir, dataset_iterator, step)
-            return state
-    info = manager.info(step)
-    if info.metadata.get("format") != "orbax":
-        return None
-    if state_item not in info.items:
-        raise MismatchError(
-            f"Orbax step {step} at {info.path} has no item {state_item!r} (items: "
-            f"{sorted(info.items)}); T5X's Orbax layout saves the train state as {state_item!r}"
-        )
-    items: dict[str, Any] = {state_item: None}
-    if dataset_iterator is not None:
-        items[dataset_item] = dataset_iterator
-    raw = _unwrap(_read_orbax(manager, step, items)[state_item])
-    where = f"Orbax step {step} at {info.path}, item {state_item!r}"
-    out: dict[str, Any] = restore_into(raw, template, where=where, **options)
-    return out
-
-
 def t5x_steps(root: Path) -> dict[int, Path]:
     """Steps a T5X job wrote in `root`, in either of its layouts, by step: its legacy layout and
     its Orbax layout (``checkpoint_<step>`` directories orbax-checkpoint committed)."""
-    from cairn.manager._orbax_steps import orbax_step
+    from cairn.manager._layouts.orbax import orbax_step
 
     found = legacy_steps(root)
     try:
@@ -684,50 +639,6 @@ def checkpoint_file(step_dir: Path) -> str:
     ):
         return "_CHECKPOINT_METADATA"
     return MANIFEST
-
-
-def load_foreign(
-    manager: Any,
-    step: int,
-    *,
-    state_item: str,
-    fns: Sequence[Callable[..., Any]],
-    **options: Any,
-) -> dict[str, Any] | None:
-    """load_t5x_checkpoint of a step a T5X job wrote (either layout), without a template; None
-    for a cairn step. `fns` run as ``fn(state_dict, {})`` (T5X's remap); `options` go to
-    `load_legacy` (restore_dtype, cast, lazy)."""
-    directory = manager.directory
-    step_dir = legacy_steps(directory).get(step) if isinstance(directory, Path) else None
-    if step_dir is not None:
-        saved = read_legacy(step_dir)
-    else:
-        info = manager.info(step)
-        if info.metadata.get("format") != "orbax":
-            return None
-        if state_item not in info.items:
-            raise MismatchError(f"Orbax step {step} at {info.path} has no item {state_item!r}")
-        saved = _unwrap(_read_orbax(manager, step, {state_item: None})[state_item])
-    transforms = [lambda state, _, fn=fn: fn(state, {}) for fn in fns]
-    return load_legacy(saved, transforms=transforms, **options)
-
-
-def _read_orbax(manager: Any, step: int, items: dict[str, Any]) -> dict[str, Any]:
-    """Items of an Orbax step through a read-only manager of the same directory with no
-    handlers configured (the trainer's manager names cairn's own handler for its items)."""
-    from cairn.manager._manager import CheckpointManager
-
-    with CheckpointManager(manager.directory, read_only=True, step_prefix="checkpoint") as reader:
-        out: dict[str, Any] = reader.restore(step, items)
-    return out
-
-
-def _unwrap(tree: Any) -> Any:
-    """T5X's Orbax saves have held ``{"version": 3, "optimizer": state dict}`` (as its msgpack
-    file) in some versions and the state dict itself in others: the state dict either way."""
-    if isinstance(tree, Mapping) and set(tree) == {"version", "optimizer"}:
-        return tree["optimizer"]
-    return tree
 
 
 def legacy_manifest(step: int, path: Path) -> Any:

@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from cairn.handlers.errors import CorruptCheckpointError, UnsupportedFormatError
+from cairn.manager._core.policies import KeepPolicy, StepView, steps_to_delete
 from cairn.manager._format import MANIFEST, METRICS, Manifest, check_metrics, load_checked
-from cairn.manager._policies import KeepPolicy, StepView, steps_to_delete
-from cairn.manager._storage import Listed
+from cairn.manager._storage.base import Listed
 
 log = logging.getLogger("cairn")
 

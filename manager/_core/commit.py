@@ -16,9 +16,9 @@ from typing import Any
 
 from cairn.handlers import Destination, FileRecord, Handler, Snapshot
 from cairn.handlers.io import WriteBudget, writing_as
+from cairn.manager._core.multihost import SINGLE, Meetings
 from cairn.manager._format import ItemEntry, Manifest, StepNames
-from cairn.manager._multihost import SINGLE, Meetings
-from cairn.manager._storage import Storage
+from cairn.manager._storage.base import Storage
 
 log = logging.getLogger("cairn")
 

@@ -43,8 +43,8 @@ from cairn.handlers.errors import (
     UnsupportedFormatError,
 )
 from cairn.handlers.io import decode_state, encode_state, has_state_methods, open_regular, optional
+from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._format import item_name_problem, trash_name
-from cairn.manager._manager import CheckpointManager
 
 log = logging.getLogger("cairn")
 

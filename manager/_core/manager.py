@@ -41,18 +41,12 @@ from cairn.handlers.io import (
     staging_for,
     writing_as,
 )
-from cairn.manager import _commit, _exit, _telemetry
-from cairn.manager._catalog import Catalog, StepRecord, apply_retention, read_record
-from cairn.manager._format import (
-    ROOT_METADATA,
-    Manifest,
-    StepNames,
-    check_metadata,
-    check_metrics,
-    dump_checked,
-)
-from cairn.manager._multihost import SINGLE, Processes
-from cairn.manager._policies import (
+from cairn.manager._core import commit as _commit
+from cairn.manager._core import exit as _exit
+from cairn.manager._core import telemetry as _telemetry
+from cairn.manager._core.catalog import Catalog, StepRecord, apply_retention, read_record
+from cairn.manager._core.multihost import SINGLE, Processes
+from cairn.manager._core.policies import (
     AnyOf,
     AtSteps,
     EveryNSteps,
@@ -66,9 +60,8 @@ from cairn.manager._policies import (
     find_on_preemption,
     policy_kind,
 )
-from cairn.manager._preemption import PreemptionWatch
-from cairn.manager._storage import Listed, check_directory, open_storage
-from cairn.manager._validate import (
+from cairn.manager._core.preemption import PreemptionWatch
+from cairn.manager._core.validate import (
     as_step,
     check_barrier_timeout,
     check_best,
@@ -80,7 +73,17 @@ from cairn.manager._validate import (
     check_max_staging_bytes,
     check_primary_process,
 )
-from cairn.manager._writer import WriterProcess, WriterProcessError, pack_job
+from cairn.manager._core.writer import WriterProcess, WriterProcessError, pack_job
+from cairn.manager._format import (
+    ROOT_METADATA,
+    Manifest,
+    StepNames,
+    check_metadata,
+    check_metrics,
+    dump_checked,
+)
+from cairn.manager._storage.base import Listed, check_directory
+from cairn.manager._storage.open import open_storage
 
 log = logging.getLogger("cairn")
 T = TypeVar("T")

@@ -14,8 +14,8 @@ from typing import Any
 
 from cairn.handlers.errors import StepAlreadyExistsError
 from cairn.handlers.io import optional
-from cairn.manager._manager import CheckpointManager
-from cairn.manager._validate import as_step
+from cairn.manager._core.manager import CheckpointManager
+from cairn.manager._core.validate import as_step
 
 __all__ = ["export_step", "import_step"]
 

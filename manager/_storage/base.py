@@ -235,19 +235,3 @@ def check_directory(directory: Any) -> Path | str:
     if path.exists() and not path.is_dir():
         raise ValueError(f"directory {str(path)!r} exists and is not a directory")
     return path
-
-
-def open_storage(directory: Path | str, options: Mapping[str, Any] | None) -> Storage:
-    """The storage for a directory `check_directory` accepted."""
-    if isinstance(directory, Path):
-        if options:
-            raise ValueError(
-                f"storage_options {dict(options)!r} apply to object stores; {directory} is a "
-                "local directory"
-            )
-        from cairn.manager._posix import PosixStorage
-
-        return PosixStorage(directory)
-    from cairn.manager._objectstore import KvStorage, StorageOptions
-
-    return KvStorage(directory, StorageOptions.from_mapping(options))
