@@ -84,8 +84,8 @@ def main(argv: Sequence[str]) -> int:
                 os.killpg(os.getpgrp(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == 1:
-            assert mgr._remote is not None
-            print(f"WRITER {mgr._remote.pid}", flush=True)
+            assert mgr._commits.remote is not None
+            print(f"WRITER {mgr._commits.remote.pid}", flush=True)
     return 1
 
 

@@ -10,25 +10,25 @@ from typing import Protocol
 
 
 class _Draining(Protocol):
-    def _drain(self) -> None: ...
+    def drain(self) -> None: ...
 
 
 _OPEN: weakref.WeakSet[_Draining] = weakref.WeakSet()
 
 
-def finish_before_shutdown(manager: _Draining) -> None:
-    """Wait for `manager`'s commit thread (its `_drain`, which returns at once once it is
-    closed) before the interpreter shuts down, unless it was garbage-collected first."""
-    _OPEN.add(manager)
+def finish_before_shutdown(commits: _Draining) -> None:
+    """Wait for a manager's commit thread (its `Committer.drain`, which returns at once once
+    it is closed) before the interpreter shuts down, unless it was garbage-collected first."""
+    _OPEN.add(commits)
 
 
 def _finish_at_exit() -> None:
     """Registered with threading's pre-shutdown hooks, which run (newest first) before
     concurrent.futures refuses new work; a commit's write phase may still start thread pools.
     Errors are logged by the commit thread; nothing is raised here."""
-    for manager in list(_OPEN):
+    for commits in list(_OPEN):
         with contextlib.suppress(Exception):
-            manager._drain()
+            commits.drain()
 
 
 _register_before_shutdown = getattr(threading, "_register_atexit", None)

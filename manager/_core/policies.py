@@ -21,7 +21,7 @@ import numbers
 import reprlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -441,3 +441,10 @@ def checked_keep(policy: KeepPolicy, views: Sequence[StepView]) -> set[int]:
             f"among the steps it was given {reprlib.repr(sorted(given))}"
         )
     return {int(s) for s in answer}
+
+
+def uses_time(policy: Any) -> bool:
+    """Whether a save policy looks at the clock (so processes could disagree)."""
+    if isinstance(policy, AnyOf):
+        return any(uses_time(p) for p in policy.policies)
+    return not isinstance(policy, (EveryNSteps, AtSteps))

@@ -688,7 +688,8 @@ def main(sock_fd: int) -> int:
 def _retention_after_trainer(storage: Any, names: Any, packed: bytes | None) -> None:
     """The trainer died: apply its retention to the steps this writer committed for it, as its
     commit thread would have after each answer (it may have died before)."""
-    from cairn.manager._core.catalog import Catalog, apply_retention, read_record
+    from cairn.manager._core.catalog import Catalog, read_record
+    from cairn.manager._core.retention import Retention
 
     try:
         if packed is None:
@@ -704,22 +705,7 @@ def _retention_after_trainer(storage: Any, names: Any, packed: bytes | None) -> 
     catalog = Catalog()
     catalog.replace({listed.step: read_record(listed) for listed in storage.scan(names)})
 
-    def delete(step: int) -> None:
-        reclaim = storage.delete_step(names.format(step))
-        catalog.remove(step)
-        if reclaim is not None:
-            reclaim()
-
-    def drop(step: int, item: str) -> None:
-        record = catalog.get(step)
-        assert record is not None and record.manifest is not None  # a view of an intact step
-        manifest = record.manifest.with_dropped(item)
-        reclaim = storage.drop_item(names.format(step), manifest, item)
-        catalog.update(step, manifest=manifest)
-        if reclaim is not None:
-            reclaim()
-
     try:
-        apply_retention(catalog, keep, keep_items, delete, drop)
+        Retention(storage, names, catalog, keep, keep_items, reclaim=lambda work: work()).apply()
     except Exception as e:
         log.error("cairn: the writer process's retention after the trainer died failed: %s", e)

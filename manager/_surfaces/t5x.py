@@ -38,7 +38,8 @@ from cairn.handlers.errors import (
     SupersededError,
 )
 from cairn.handlers.io import open_regular, read_no_follow
-from cairn.manager._core.manager import CheckpointManager, settle_writer
+from cairn.manager._core import takeover
+from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._core.policies import (
     AnyOf,
     AtSteps,
@@ -474,7 +475,7 @@ def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
 def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
     """Committed step directories (named checkpoint_<digits>, holding a manifest) by step."""
     root = Path(os.fspath(checkpoints_dir))
-    settle_writer(os.path.realpath(root))  # read your writes: T5X's save is synchronous
+    takeover.settle_writer(os.path.realpath(root))  # read your writes: T5X's save is synchronous
     found: dict[int, Path] = {}
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -529,7 +530,7 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> str:
     candidate = Path(text)
     if candidate.is_dir():
         if _STEP_DIR.fullmatch(candidate.name) and step is None:
-            settle_writer(os.path.realpath(candidate.parent))  # read your writes
+            takeover.settle_writer(os.path.realpath(candidate.parent))  # read your writes
             # a checkpoint directory itself
         else:
             if step is None:

@@ -229,7 +229,7 @@ def test_numpy_numbers_are_taken_for_counts_sizes_and_rates(tmp_path: Path) -> N
         max_staging_bytes=np.int64(1 << 30),
         max_write_bytes_per_s=np.float32(1e9),
     ) as mgr:
-        assert type(mgr._max_pending) is int and mgr._staging.max_bytes == 1 << 30
+        assert type(mgr._options.max_pending) is int and mgr._staging.max_bytes == 1 << 30
         mgr.save(0, {"x": np.arange(8)})
         mgr.wait_until_finished()
         np.testing.assert_array_equal(mgr.restore(0)["x"], np.arange(8))

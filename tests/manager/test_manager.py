@@ -136,9 +136,9 @@ def test_async_step_is_invisible_until_committed(
     """While the write is held, the step is neither listed nor on disk under its final name,
     for a reader of another process (one in this process waits for it: read your writes,
     tests/manager/test_read_your_writes.py; here it does not)."""
-    from cairn.manager._core import manager as _manager
+    from cairn.manager._core import takeover
 
-    monkeypatch.setattr(_manager, "settle_writer", lambda key: None)
+    monkeypatch.setattr(takeover, "settle_writer", lambda key: None)
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
         assert mgr.save(1, {"x": "payload"})
         assert gate.entered.wait(30)
@@ -181,8 +181,8 @@ def test_max_pending_bounds_saves_in_flight(
     with CheckpointManager(tmp_path, handlers={"x": gated_handler}) as mgr:
         mgr.save(1, {"x": 1})
         assert gate.entered.wait(30)
-        slots = WatchedSlots(mgr._slots, gate)
-        mgr._slots = slots  # type: ignore[assignment]
+        slots = WatchedSlots(mgr._commits.slots, gate)
+        mgr._commits.slots = slots  # type: ignore[assignment]
         second = threading.Thread(target=mgr.save, args=(2, {"x": 2}))
         second.start()
         assert slots.waiting.wait(30)  # the second save has reached the bound
@@ -591,14 +591,14 @@ def test_restore_waits_for_pending_commits(
         mgr.save(1, {"x": "one"})
         assert gate.entered.wait(30)
         draining = threading.Event()
-        drain = mgr._drain
+        drain = mgr._commits.drain
 
         def watched_drain() -> None:
             draining.set()
             drain()
             results.append(("drained after release", gate.release.is_set()))
 
-        mgr._drain = watched_drain  # type: ignore[method-assign]
+        mgr._commits.drain = watched_drain  # type: ignore[method-assign]
         reader = threading.Thread(target=lambda: results.append(mgr.restore()))
         reader.start()
         assert draining.wait(30)

@@ -33,10 +33,10 @@ from cairn.manager import (
     KeepLatest,
     StepNotFoundError,
     SupersededError,
-    _manager,
-    _objectstore,
 )
+from cairn.manager._core import takeover
 from cairn.manager._format import LOCK, MANIFEST
+from cairn.manager._storage import objectstore as _objectstore
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
@@ -404,7 +404,7 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing(
     store = ObjectStore(url, StorageOptions())
     monkeypatch.setattr(_objectstore, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
     # B stands for a writer on another host: not this process's graceful takeover.
-    monkeypatch.setattr(_manager, "_take_over", lambda key, manager: None)
+    monkeypatch.setattr(takeover, "take_over", lambda key, manager: None)
     a = CheckpointManager(url)
     try:
         a.save(1, {"state": state(1)})

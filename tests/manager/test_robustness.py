@@ -24,8 +24,8 @@ from cairn.manager import (
     KeepLatest,
     MismatchError,
     StepNotFoundError,
-    _posix,
 )
+from cairn.manager._storage import posix as _posix
 
 
 def test_step_deleted_by_hand_does_not_stall_retention(tmp_path: Path) -> None:
@@ -137,12 +137,12 @@ def test_manager_dropped_without_close_releases_the_lock(tmp_path: Path) -> None
 def test_refused_submit_leaves_no_step_in_flight(tmp_path: Path) -> None:
     """If the commit thread refuses work (interpreter shutting down), save raises and frees its slot."""
     mgr = CheckpointManager(tmp_path)
-    assert mgr._executor is not None
-    mgr._executor.shutdown()
+    assert mgr._commits.executor is not None
+    mgr._commits.executor.shutdown()
     with pytest.raises(RuntimeError, match="shutdown"):
         mgr.save(1, {"s": [1]})
     assert mgr.should_save(1)
-    assert mgr._slots.acquire(blocking=False)
+    assert mgr._commits.slots.acquire(blocking=False)
 
 
 def test_reader_sees_steps_deleted_by_the_writer_as_gone(tmp_path: Path) -> None:

@@ -462,9 +462,9 @@ class StorageSuite:
         read-only manager (as in another process: one in this process would wait for the
         save, tests/manager/test_read_your_writes.py) nor the storage's own listing sees the
         step; once released, both do (the manager after reload)."""
-        from cairn.manager._core import manager as _manager
+        from cairn.manager._core import takeover
 
-        monkeypatch.setattr(_manager, "settle_writer", lambda key: None)
+        monkeypatch.setattr(takeover, "settle_writer", lambda key: None)
         first, second = Gate(), Gate()
         handler = TwoPartHandler()
         handlers: dict[str, Handler] = {**HANDLERS, "g": handler}

@@ -220,7 +220,7 @@ def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_anot
     mgr = CheckpointManager(tmp_path, writer="process", handlers={"boom": Killer()})
     mgr.save(1, {"state": small_state(1)})
     mgr.wait_until_finished()
-    first = mgr._remote
+    first = mgr._commits.remote
     assert first is not None
     mgr.save(2, {"state": small_state(2), "boom": None})
     with pytest.raises(CommitError, match="commit of step 2") as info:
@@ -234,7 +234,7 @@ def test_a_writer_killed_mid_commit_leaves_nothing_and_the_next_save_starts_anot
     assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint_2")] != []
     mgr.save(3, {"state": small_state(3)})
     mgr.wait_until_finished()
-    assert mgr._remote is not first and mgr._remote is not None
+    assert mgr._commits.remote is not first and mgr._commits.remote is not None
     np.testing.assert_array_equal(mgr.restore(3)["state"]["w"], small_state(3)["w"])
     mgr.close()
     # The kept error's traceback reaches step 2's snapshot: it holds no shared memory.
@@ -293,8 +293,8 @@ def test_a_stopped_writer_fails_its_save_within_the_barrier_timeout(tmp_path: Pa
     mgr.save(1, {"state": small_state(1), "meta": {"step": 1}})
     mgr.wait_until_finished()
     committed = files_of(tmp_path / "checkpoint_1")
-    assert mgr._remote is not None
-    pid = mgr._remote.pid
+    assert mgr._commits.remote is not None
+    pid = mgr._commits.remote.pid
     stop(pid)
     mgr.save(2, {"state": small_state(2)})  # handed over: it waits in the socket
     started = time.monotonic()
@@ -320,7 +320,7 @@ def test_a_stopped_writer_fails_its_save_within_the_barrier_timeout(tmp_path: Pa
     assert got["meta"] == {"step": 1}
     mgr.save(3, {"state": small_state(3)})  # a new writer process
     mgr.wait_until_finished()
-    assert mgr._remote is not None and mgr._remote.pid != pid
+    assert mgr._commits.remote is not None and mgr._commits.remote.pid != pid
     started = time.monotonic()
     assert within(30, mgr.close, pid) is None
     assert time.monotonic() - started < 10
@@ -340,8 +340,8 @@ def test_close_with_a_stopped_writer_returns_within_the_barrier_timeout(
     mgr = CheckpointManager(tmp_path, writer="process", barrier_timeout=bound)
     mgr.save(1, {"state": small_state(1)})
     mgr.wait_until_finished()
-    assert mgr._remote is not None
-    pid = mgr._remote.pid
+    assert mgr._commits.remote is not None
+    pid = mgr._commits.remote.pid
     stop(pid)
     if in_flight:
         mgr.save(2, {"state": small_state(2)})
@@ -391,8 +391,8 @@ def test_an_error_in_the_writer_reaches_the_trainer_with_its_traceback(
         error = info.value.__cause__
         assert isinstance(error, ValueError)
         assert f"handed over by pid {os.getpid()}" in str(error)
-        assert mgr._remote is not None
-        assert f"boom in pid {mgr._remote.pid}" in str(error)  # raised in the writer
+        assert mgr._commits.remote is not None
+        assert f"boom in pid {mgr._commits.remote.pid}" in str(error)  # raised in the writer
         remote = str(error.__cause__)  # the writer's traceback, from its commit to the raise
         assert "in commit_step" in remote and "writer_items.py" in remote, remote
         assert mgr.all_steps() == []
@@ -413,7 +413,7 @@ def test_close_ends_the_writer_and_frees_the_shared_memory(tmp_path: Path) -> No
     mgr.wait_until_finished()
     assert mgr.all_steps() == [3, 4]  # retention runs in the trainer, after each answer
     assert cairn_memfds() - before  # the pool keeps its slabs between saves
-    writer = mgr._remote
+    writer = mgr._commits.remote
     assert writer is not None
     got = mgr.restore(4)
     np.testing.assert_array_equal(got["state"]["w"], np.arange(1 << 20, dtype=np.float32))
@@ -475,7 +475,7 @@ def test_on_an_object_store_the_writer_commits_under_the_trainers_lease(bucket: 
     for step in range(1, 5):
         mgr.save(step, {"state": small_state(step), "meta": {"step": step}})
         held = json.loads(lease.read(".cairn.lock"))
-        assert mgr._remote is not None and held["writer"] == mgr._remote.pid
+        assert mgr._commits.remote is not None and held["writer"] == mgr._commits.remote.pid
     mgr.wait_until_finished()
     assert mgr.all_steps() == [3, 4]  # the trainer's retention, after the writer's commits
     for step in (3, 4):
@@ -483,7 +483,7 @@ def test_on_an_object_store_the_writer_commits_under_the_trainers_lease(bucket: 
         np.testing.assert_array_equal(got["state"]["w"], small_state(step)["w"])
         assert got["meta"] == {"step": step}
         assert mgr.verify(step) == []
-    writer = mgr._remote
+    writer = mgr._commits.remote
     mgr.close()
     assert writer is not None
     wait_exit(writer.pid, timeout=1)
@@ -573,7 +573,7 @@ def test_a_second_trainer_is_refused_while_the_first_and_its_writer_live(tmp_pat
     with CheckpointManager(tmp_path, writer="process") as mgr:
         mgr.save(1, {"state": small_state(1)})
         mgr.wait_until_finished()
-        assert mgr._remote is not None
+        assert mgr._commits.remote is not None
         code = (
             "import sys\n"
             "from cairn.manager import CheckpointManager\n"
@@ -586,7 +586,10 @@ def test_a_second_trainer_is_refused_while_the_first_and_its_writer_live(tmp_pat
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert out.returncode == 3, out.stderr
-        assert f"pid {os.getpid()} (with its writer process, pid {mgr._remote.pid}" in out.stdout
+        assert (
+            f"pid {os.getpid()} (with its writer process, pid {mgr._commits.remote.pid}"
+            in out.stdout
+        )
 
 
 FORKING_TRAINER = """
@@ -600,7 +603,7 @@ if os.fork() == 0:  # a data loader worker, say: lives on until the test closes 
     sys.stdin.read()
     os._exit(0)
 mgr.save(2, {"state": {"w": np.zeros(1000)}})
-print("WRITER", mgr._remote.pid, flush=True)
+print("WRITER", mgr._commits.remote.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -683,14 +686,14 @@ def test_a_newer_manager_in_the_same_process_takes_over_from_one_with_a_writer(
 ) -> None:
     old = CheckpointManager(tmp_path, writer="process")
     old.save(1, {"state": small_state(1)})
-    writer = old._remote
+    writer = old._commits.remote
     assert writer is not None
     with CheckpointManager(tmp_path, writer="process") as new:  # waits for step 1, ends the writer
         assert writer._proc.returncode == 0
         assert new.all_steps() == [1]
         new.save(2, {"state": small_state(2)})
         new.wait_until_finished()
-        assert new._remote is not None and new._remote.pid != writer.pid
+        assert new._commits.remote is not None and new._commits.remote.pid != writer.pid
     old.close()
     assert sorted(os.listdir(tmp_path)) == [".cairn.lock", "checkpoint_1", "checkpoint_2"]
 

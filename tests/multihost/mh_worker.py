@@ -450,9 +450,9 @@ def run_manager(scenario: str, procs: Any, directory: str) -> None:
         )
         for step in range(3):
             mgr.save(step, {"state": state(step), "config": {"lr": 0.1}})
-        assert mgr._remote is not None
+        assert mgr._commits.remote is not None
         committed = mgr._storage.read_step(mgr._names, 2) is not None
-        print(f"writer {mgr._remote.pid} committed-before-kill {committed}", flush=True)
+        print(f"writer {mgr._commits.remote.pid} committed-before-kill {committed}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     with CheckpointManager(
         directory, keep=KeepLatest(2), handlers=handlers, barrier_timeout=5

@@ -1,0 +1,74 @@
+"""Retention: deleting the steps a keep policy does not keep and dropping the items per-item
+policies do not keep. One copy, used by the manager's commit thread and by a writer process
+whose trainer died (`cairn.manager._core.writer`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+
+from cairn.manager._core.catalog import Catalog, apply_retention
+from cairn.manager._core.policies import KeepPolicy
+from cairn.manager._format import Manifest, StepNames
+from cairn.manager._storage.base import Storage
+
+
+class Retention:
+    """Applies `keep` and `keep_items` to a `Catalog` of committed steps through a `Storage`.
+
+    Concurrency: call from one thread, the one that makes every change to the directory (the
+    commit thread). `reclaim` frees a deleted step's space; the manager hands it to its
+    reclaim thread, a writer process runs it at once. With `retire` (several processes on a
+    storage that shares deletion out) a step is only retired here: its manifest waits in
+    `retired` until the processes delete their shares (`Coordinator.tell_changes`)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        names: StepNames,
+        catalog: Catalog,
+        keep: KeepPolicy,
+        keep_items: Mapping[str, KeepPolicy],
+        *,
+        reclaim: Callable[[Callable[[], None]], None],
+        retire: bool = False,
+    ) -> None:
+        self._storage, self._names, self._catalog = storage, names, catalog
+        self._keep, self._keep_items = keep, keep_items
+        self._reclaim, self._retire = reclaim, retire
+        self.retired: dict[int, Manifest | None] = {}  # retired, shares not yet deleted
+
+    def apply(self) -> None:
+        """Delete the committed steps the keep policy does not keep, then drop the items the
+        per-item policies do not keep."""
+        apply_retention(self._catalog, self._keep, self._keep_items, self.delete, self.drop)
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step (or retire it, see the class docstring)."""
+        name, reclaim = self._names.format(step), None
+        manifest = self._catalog.manifests([step]).get(step)
+        try:
+            if self._retire:
+                self._storage.retire_step(name)
+            else:
+                reclaim = self._storage.delete_step(name)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if self._storage.read_step(self._names, step) is None:  # gone all the same
+                    self._catalog.remove(step)
+            raise
+        if self._retire:
+            self.retired[step] = manifest
+        self._catalog.remove(step)
+        if reclaim is not None:
+            self._reclaim(reclaim)
+
+    def drop(self, step: int, item: str) -> None:
+        """Drop one item of an intact step: its files go, its manifest says so."""
+        record = self._catalog.get(step)
+        assert record is not None and record.manifest is not None  # a view of an intact step
+        manifest = record.manifest.with_dropped(item)
+        reclaim = self._storage.drop_item(self._names.format(step), manifest, item)
+        self._catalog.update(step, manifest=manifest)
+        if reclaim is not None:
+            self._reclaim(reclaim)

@@ -1,0 +1,44 @@
+"""One writable manager per directory in a process: a new one takes over from the one open
+there (T5X and SpeechBrain code builds a second checkpointer on a directory without closing
+the first), and a reader opened in the process sees the saves its writer accepted."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+# The writable manager open on each directory in this process, by the storage's identity.
+_WRITERS: dict[str, weakref.ref[Any]] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def take_over(key: str, manager: Any) -> None:
+    """Register `manager` as the directory's writer; the one registered before hands over
+    (its ``_hand_over``: it finishes its pending commits and turns read-only)."""
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+        _WRITERS[key] = weakref.ref(manager)
+    previous = ref() if ref is not None else None
+    if previous is not None and previous is not manager:
+        previous._hand_over()
+
+
+def settle_writer(key: str) -> None:
+    """Read your own writes: when this process has a writable manager open on the directory
+    `key` (a storage's ``identity``), wait until the saves it accepted are committed (or have
+    failed: their errors stay that manager's), so that a reader opened now sees them. Bounded
+    by that manager's ``barrier_timeout``, and logged; a reader on the writer's own commit
+    thread does not wait. Other processes' writers are not waited for."""
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+    writer = ref() if ref is not None else None
+    if writer is not None:
+        writer._commits.settle_for_reader()
+
+
+def forget_writer(key: str, manager: Any) -> None:
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(key)
+        if ref is not None and ref() in (manager, None):
+            del _WRITERS[key]
