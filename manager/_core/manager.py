@@ -68,29 +68,14 @@ class CheckpointManager:
                     mgr.save(step, {"state": state}, metrics={"loss": loss})
 
     Concurrency: call the public methods from one thread (the training loop); the manager is not
-    thread-safe. Each manager owns one commit thread (`Committer`), which runs the write phase of
-    saves, the commit, retention, `record_metrics`, `delete` and `reload` -- every change to the
-    directory -- in submission order, so they never interleave. `save()` returns after the
-    snapshot phase; at most `max_pending` saves are in flight, and a further save waits (counted as
-    blocked time). State shared with the commit thread (the `Catalog` of known steps and steps in
-    flight; the errors) is guarded by locks. An error on the commit thread is kept and raised
-    once, as CommitError with the original chained, by the next `save`, `wait_until_finished`,
-    `check_for_errors` or `close`. A deleted step leaves the directory's listing on the commit
-    thread (on POSIX renamed to ``.trash-*``); a second thread ("cairn-reclaim") then frees its
-    space, and `close` waits for it. `save()` copies arrays into the manager's staging pool
-    (`zero_copy=False`), whose memory a "cairn-stage" thread faults in the first time a state of
-    a size is saved; `wait_until_finished` and `close` wait for it, and `close` frees the pool.
-    Background threads run at a lower CPU and I/O priority (nice 19, best-effort level 7), so a
-    training step on busy cores goes first. Every byte goes through the directory's `Storage`
-    (POSIX, object store, memory); the manager never asks which one it is.
-
-    With ``writer="process"`` the write phase and the commit of each save run in a writer
-    process the manager starts (`cairn.manager._core.writer.WriterProcess`): `save()` sends the
-    save there before it returns, and the commit thread waits for the answers, in order, then
-    applies retention. Those waits, and `close`'s wait for the process to exit, have the bound
-    of a barrier (``barrier_timeout``): a writer with no sign of life for that long (stopped,
-    stuck on a hung filesystem) is killed and the step fails with WriterTimeoutError, kept as
-    any commit error.
+    thread-safe. Every change to the directory (the write and commit of saves, retention,
+    `record_metrics`, `delete`, `reload`) runs on the manager's one commit thread, in submission
+    order (`Committer`, whose docstring gives the rules: `max_pending`, kept errors raised once
+    as CommitError, the reclaim thread, a writer process with ``writer="process"`` and its
+    bound, ``barrier_timeout``). `save()` returns after the snapshot phase: arrays are copied
+    into the manager's staging pool (`zero_copy=False`), which `close` frees. State shared with
+    the commit thread (the `Catalog`, the errors) is guarded by locks. Every byte goes through
+    the directory's `Storage` (POSIX, object store, memory); the manager never asks which.
 
     Processes: one writable manager per directory, enforced by an advisory lock on
     ``<directory>/.cairn.lock`` (a lease object in object stores; DirectoryLockedError
@@ -180,10 +165,8 @@ class CheckpointManager:
         self._key = storage.identity
         if not o.read_only:
             takeover.take_over(self._key, self)
-        else:
-            takeover.settle_writer(
-                self._key
-            )  # read your writes: what this process's writer accepted
+        else:  # read your writes: wait for what this process's writer accepted
+            takeover.settle_writer(self._key)
         self._catalog = catalog = Catalog(journal=procs.count > 1 and procs.primary)
         errors, reclaimer = Errors(), Reclaimer(enabled=not o.read_only)
         self._reader = Reader(storage, o.names, catalog, o.handlers, me, errors.failed)
@@ -206,10 +189,8 @@ class CheckpointManager:
             refusal = None
             if procs.primary:
                 catalog.replace(self._reader.scan())
-                if not storage.lists_cheaply and not catalog.steps():
-                    refusal = naming_refusal(
-                        storage, o.names
-                    )  # one more listing, of a directory to refuse
+                if not storage.lists_cheaply and not catalog.steps():  # one more listing
+                    refusal = naming_refusal(storage, o.names)
             self._together.open(refusal)
             if self._writer:  # a crash between an item's drop and the removal of its files
                 storage.remove_dropped(

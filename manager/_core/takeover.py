@@ -33,8 +33,9 @@ def settle_writer(key: str) -> None:
     with _WRITERS_LOCK:
         ref = _WRITERS.get(key)
     writer = ref() if ref is not None else None
-    if writer is not None:
-        writer._commits.settle_for_reader()
+    commits = getattr(writer, "_commits", None)  # None while the writer is being built
+    if commits is not None:
+        commits.settle_for_reader()
 
 
 def forget_writer(key: str, manager: Any) -> None:
