@@ -636,7 +636,7 @@ def populate_metrics_for_steps(
     a value that is not a finite number, a link or a FIFO named like an event file are ignored
     with a warning.
     """
-    if not isinstance(metric_name, str) or "/" not in metric_name.strip("/"):
+    if not isinstance(metric_name, str) or not metric_name.strip("/"):
         raise ValueError(
             f"metric_name must be '{{run}}/{{tag}}' (e.g. 'train/accuracy'), got {metric_name!r}"
         )
@@ -802,6 +802,22 @@ class _EventCache:
 
 
 _EVENTS = _EventCache()
+
+
+def _check_metric_name(value: Any, what: str) -> str:
+    """A metric to monitor: ``{run}/{tag}``. As in T5X, a name with no run (``"loss"``) is
+    accepted and never found, so no step has a value for it; a warning says so."""
+    if not isinstance(value, str) or not value.strip("/"):
+        raise ValueError(f"{what} must be '{{run}}/{{tag}}' (e.g. 'train/loss'), got {value!r}")
+    if "/" not in value.strip("/"):
+        log.warning(
+            "cairn: %s=%r names no run ('{run}/{tag}', e.g. 'train/%s'): no step will have a "
+            "value for it, so retention treats every step as one without metrics (as T5X does)",
+            what,
+            value,
+            value.strip("/"),
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1270,9 +1286,7 @@ class SaveBestCheckpointer(Checkpointer):
 
     @metric_name_to_monitor.setter
     def metric_name_to_monitor(self, value: str) -> None:
-        if not isinstance(value, str) or "/" not in value.strip("/"):
-            raise ValueError(f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {value!r}")
-        self._metric_name_to_monitor = value
+        self._metric_name_to_monitor = _check_metric_name(value, "metric_name_to_monitor")
 
     @property
     def metric_mode(self) -> str:
@@ -1350,12 +1364,8 @@ class OrbaxCheckpointManagerInterface(_T5XCheckpointing):
         keep_n = _check_keep(keep, "keep")
         if metric_mode not in ("max", "min"):
             raise ValueError(f"Unsupported `metric_mode`: {metric_mode!r} (use 'max' or 'min')")
-        if metric_name_to_monitor is not None and (
-            not isinstance(metric_name_to_monitor, str) or "/" not in metric_name_to_monitor
-        ):
-            raise ValueError(
-                f"metric_name_to_monitor must be '{{run}}/{{tag}}', got {metric_name_to_monitor!r}"
-            )
+        if metric_name_to_monitor is not None:
+            _check_metric_name(metric_name_to_monitor, "metric_name_to_monitor")
         policy: KeepPolicy = KeepAll()
         if keep_n and metric_name_to_monitor:
             policy = _KeepBestFromEvents(

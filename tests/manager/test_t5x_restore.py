@@ -198,7 +198,7 @@ def test_save_best_attributes_set_after_construction(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="metric_mode"):
             ckpt.metric_mode = "median"
         with pytest.raises(ValueError, match="metric_name_to_monitor"):
-            ckpt.metric_name_to_monitor = "accuracy"
+            ckpt.metric_name_to_monitor = ""
         with pytest.raises(TypeError, match="keep_checkpoints_without_metrics"):
             ckpt.keep_checkpoints_without_metrics = 1  # type: ignore[assignment]
         assert ckpt.metric_mode == "max"
