@@ -70,8 +70,9 @@ class Prepared(Protocol):
         ...
 
 
-class Storage(Protocol):
-    """A checkpoint directory: a POSIX directory, an object-store prefix, an in-memory store.
+class StepStore(Protocol):
+    """The step lifecycle: list and read steps, write one (`prepare`, then `Prepared`), delete
+    steps and items, late metrics and the files beside the steps.
 
     Threads: the manager calls it from its caller thread (listing, reading) and its commit
     thread (every change); a storage must allow both at once. Every name it reads from the
@@ -85,9 +86,6 @@ class Storage(Protocol):
     #: (object stores: then only the primary looks, and only when it found no step)
     lists_cheaply: bool
     multi_process: bool  # whether several processes of one job may write a step together
-    # Whether the processes of a job share a step's deletion out (retire_step, remove_files,
-    # finish_deletion) instead of the primary's delete_step doing it all.
-    shares_deletion: bool
 
     @property
     def directory(self) -> Path | str:
@@ -96,35 +94,6 @@ class Storage(Protocol):
 
     def location(self, name: str) -> Path | str:
         """Where step `name` is (StepInfo.path): a Path on POSIX, a URL otherwise."""
-        ...
-
-    def acquire(self) -> None:
-        """Become the directory's one writer (a lock, a lease): DirectoryLockedError if another
-        writer holds it, ReadOnlyError if the place cannot be written."""
-        ...
-
-    def release(self) -> None: ...
-
-    def check_writer(self) -> None:
-        """DirectoryLockedError if this writer lost the directory (a lease taken over)."""
-        ...
-
-    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
-        """What a writer process needs to commit into this directory (``writer="process"``):
-        ``{"directory": ..., "storage_options": ...}`` for its `open_storage` and
-        `join_writer_process`, and the descriptors it inherits (a lock it holds with this
-        process); None where a writer process cannot commit here."""
-        ...
-
-    def join_writer_process(self, spec: Mapping[str, Any]) -> None:
-        """In the writer process, on the storage `open_storage` gave it: hold the directory
-        with the trainer as `spec` (from `for_writer_process`) says (a shared lease)."""
-        ...
-
-    def writer_started(self, pid: int) -> None:
-        """A writer process `pid` was started for this directory, before any save is sent to
-        it: a storage with a lock or lease records it there, so that a trainer started after
-        this one ended waits for that writer (see `for_writer_process`)."""
         ...
 
     def clean_leftovers(self, names: StepNames) -> list[str]:
@@ -155,19 +124,6 @@ class Storage(Protocol):
     def delete_step(self, name: str) -> Reclaim | None:
         """Retire a committed step crash-safely (from the first change on it is no step);
         returns the work that frees its space, or None."""
-        ...
-
-    def retire_step(self, name: str) -> None:
-        """The primary's first half of a shared deletion: from now on `name` is no step, and a
-        crash leaves a leftover that `clean_leftovers` removes."""
-        ...
-
-    def remove_files(self, name: str, relpaths: Sequence[str]) -> None:
-        """One process's share of a retired step's files (the manifest's paths)."""
-        ...
-
-    def finish_deletion(self, name: str) -> None:
-        """The primary, once every process removed its share: whatever is left of the step."""
         ...
 
     def drop_item(self, name: str, manifest: Manifest, item: str) -> Reclaim | None:
@@ -205,6 +161,86 @@ class Storage(Protocol):
     def close(self) -> None:
         """Free local resources (staging and download directories); not the lock."""
         ...
+
+
+class WriterHold(Protocol):
+    """The directory's one writer: a lock on POSIX, a lease on object stores, shared with the
+    writer process a trainer starts (``writer="process"``)."""
+
+    def acquire(self) -> None:
+        """Become the directory's one writer (a lock, a lease): DirectoryLockedError if another
+        writer holds it, ReadOnlyError if the place cannot be written."""
+        ...
+
+    def release(self) -> None: ...
+
+    def check_writer(self) -> None:
+        """DirectoryLockedError if this writer lost the directory (a lease taken over)."""
+        ...
+
+    def for_writer_process(self) -> tuple[dict[str, Any], list[int]] | None:
+        """What a writer process needs to commit into this directory (``writer="process"``):
+        ``{"directory": ..., "storage_options": ...}`` for its `open_storage` and
+        `join_writer_process`, and the descriptors it inherits (a lock it holds with this
+        process); None where a writer process cannot commit here."""
+        ...
+
+    def join_writer_process(self, spec: Mapping[str, Any]) -> None:
+        """In the writer process, on the storage `open_storage` gave it: hold the directory
+        with the trainer as `spec` (from `for_writer_process`) says (a shared lease)."""
+        ...
+
+    def writer_started(self, pid: int) -> None:
+        """A writer process `pid` was started for this directory, before any save is sent to
+        it: a storage with a lock or lease records it there, so that a trainer started after
+        this one ended waits for that writer (see `for_writer_process`)."""
+        ...
+
+
+class SharedDeletion(Protocol):
+    """A deletion shared out among the processes of a job (object stores, where each DELETE is
+    a request): the primary retires the step, every process removes its share of the files,
+    the primary finishes. Storages whose `shares_deletion` is False (POSIX: one rename) are never
+    asked."""
+
+    #: whether the processes of a job share a step's deletion out (retire_step, remove_files,
+    #: finish_deletion) instead of the primary's delete_step doing it all
+    shares_deletion: bool
+
+    def retire_step(self, name: str) -> None:
+        """The primary's first half of a shared deletion: from now on `name` is no step, and a
+        crash leaves a leftover that `clean_leftovers` removes."""
+        ...
+
+    def remove_files(self, name: str, relpaths: Sequence[str]) -> None:
+        """One process's share of a retired step's files (the manifest's paths)."""
+        ...
+
+    def finish_deletion(self, name: str) -> None:
+        """The primary, once every process removed its share: whatever is left of the step."""
+        ...
+
+
+class Storage(StepStore, WriterHold, SharedDeletion, Protocol):
+    """A checkpoint directory: a POSIX directory, an object-store prefix, an in-memory store.
+
+    The call order, as `CheckpointManager` makes it:
+
+    1. `open.open_storage`; on a writable manager's primary `acquire`, then `clean_leftovers`
+       and (with ``metadata=``) `create_root_file`; every manager `scan`s (other processes
+       `read_step` the steps the primary broadcast); `other_naming` when nothing is found;
+       the writer's `remove_dropped`.
+    2. Each save: the primary's `check_writer` and `prepare`, each item's files through
+       `Prepared.destination`, `check_writer` again (or, with several processes,
+       `Prepared.sync` on every process), then the primary's `Prepared.commit` (or `abort`). With a writer
+       process, `for_writer_process` and `writer_started` before the first save is sent, and
+       `join_writer_process` in the writer.
+    3. After a commit, on the commit thread: retention's `delete_step` and `drop_item` (or,
+       sharing deletion, `retire_step`, every process's `remove_files`, `finish_deletion`);
+       `write_metrics` for late metrics.
+    4. Reads at any time, on the caller thread: `read_step`, `source`, `read_root_file`.
+    5. `release` (the writer), then `close`.
+    """
 
 
 def is_url(text: str) -> bool:
