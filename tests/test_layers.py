@@ -168,7 +168,6 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
 OVER_900 = {
     "handlers/_files.py": 1475,
     "handlers/_train_state.py": 1759,
-    "manager/_storage/objectstore.py": 1091,
     "manager/_surfaces/speechbrain.py": 1116,
     "manager/_surfaces/t5x.py": 1412,
 }

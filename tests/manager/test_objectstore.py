@@ -36,6 +36,7 @@ from cairn.manager import (
 )
 from cairn.manager._core import takeover
 from cairn.manager._format import LOCK, MANIFEST
+from cairn.manager._storage import lease as _lease
 from cairn.manager._storage import objectstore as _objectstore
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
@@ -402,7 +403,7 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing(
     why; B never lists A's step, and B's own saves work."""
     url = f"{s3_bucket}/takeover"
     store = ObjectStore(url, StorageOptions())
-    monkeypatch.setattr(_objectstore, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
+    monkeypatch.setattr(_lease, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
     # B stands for a writer on another host: not this process's graceful takeover.
     monkeypatch.setattr(takeover, "take_over", lambda key, manager: None)
     a = CheckpointManager(url)
@@ -413,7 +414,7 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing(
         a.save(2, {"state": state(2)})
         assert gate.entered.wait(60)  # step 2 is uploaded and claimed, not committed
         assert store.list_keys("checkpoint_2/state/")
-        monkeypatch.setattr(_objectstore, "LEASE_SECONDS", 3600.0)
+        monkeypatch.setattr(_lease, "LEASE_SECONDS", 3600.0)
         with CheckpointManager(url) as b:  # takes A's lease over, removes A's step 2
             assert b.all_steps() == [1]
             assert store.list_keys("checkpoint_2/") == []
@@ -522,7 +523,7 @@ def test_an_unreachable_endpoint_says_what_it_waits_for(
     """Nothing answers at the endpoint: TensorStore retries for many minutes, silently. cairn
     says what it waits for after WATCH_S, and gives up after OPEN_TIMEOUT_S (shortened here)
     with ConnectionError naming the URL, the endpoint and what to check."""
-    from cairn.manager._storage import objectstore as _objectstore
+    from cairn.manager._storage import kvstore as _kvstore
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -530,8 +531,8 @@ def test_an_unreachable_endpoint_says_what_it_waits_for(
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setattr(_objectstore, "WATCH_S", 1.0)
-    monkeypatch.setattr(_objectstore, "OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(_kvstore, "WATCH_S", 1.0)
+    monkeypatch.setattr(_kvstore, "OPEN_TIMEOUT_S", 3.0)
     started = time.monotonic()
     with (
         caplog.at_level(logging.WARNING, "cairn"),

@@ -500,6 +500,7 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
     manager waits for that process (bounded), then refuses, naming it; once that process is
     gone too, the lease is taken over at once (not after its hour). A live process that runs
     no writer (any pid a crafted lease names) is not waited for: taken over at once."""
+    from cairn.manager._storage import lease as _lease
     from cairn.manager._storage import objectstore as _objectstore
 
     url = f"{s3_bucket}/run"
@@ -527,7 +528,7 @@ def test_a_lease_naming_a_live_writer_of_a_dead_trainer_is_waited_for_then_refus
     owner = f"{socket.gethostname()}:{gone.pid}:crafted"
     body = {"owner": owner, "expires": time.time() + 3600, "writer": alive.pid}
     store.write(".cairn.lock", json.dumps(body).encode())
-    monkeypatch.setattr(_objectstore, "WRITER_WAIT_S", 0.5)
+    monkeypatch.setattr(_lease, "WRITER_WAIT_S", 0.5)
     try:
         with pytest.raises(
             DirectoryLockedError, match=f"{owner}, with its writer process pid {alive.pid}\\)"
