@@ -152,13 +152,18 @@ class Committer:
         release(snapshots)
         self.slots.release()
 
-    def hand_over(self, job: _commit.SaveJob, packed: tuple[bytes, list[int]] | None) -> None:
+    def hand_over(
+        self, job: _commit.SaveJob, packed: tuple[bytes, list[int]] | None, owner: object
+    ) -> None:
         """Caller thread: the job goes to the commit thread (and, packed, to the writer
-        process). On failure the step is no longer in flight and the snapshots are released."""
+        process). On failure the step is no longer in flight and the snapshots are released.
+        The commit thread holds `owner` (the manager) until the job is done: a manager dropped
+        with a save in flight stays the directory's writer in this process until the save
+        lands, so a new manager takes over from it (`takeover`) instead of finding it locked."""
         assert self.executor is not None
         try:
             remote = self._hand_to_writer(*packed) if packed is not None else None
-            self.executor.submit(self.run_save, job, reraise=False, remote=remote)
+            self.executor.submit(_run_for, owner, self, job, remote)
         except BaseException:  # e.g. from an atexit hook after interpreter shutdown began
             self._catalog.committed(job.step, None)
             self.abandon(job.snapshots)
@@ -321,6 +326,12 @@ class Committer:
         if self.remote is not None:
             self.remote.close()
             self.remote = None
+
+
+def _run_for(
+    owner: object, commits: Committer, job: _commit.SaveJob, remote: WriterProcess | None
+) -> None:
+    commits.run_save(job, reraise=False, remote=remote)  # `owner` is held until this returns
 
 
 def release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:

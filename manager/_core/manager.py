@@ -376,7 +376,7 @@ class CheckpointManager:
             if self._commits.executor is None:
                 self._commits.run_save(job, reraise=True)
                 return True
-            self._commits.hand_over(job, packed)
+            self._commits.hand_over(job, packed, owner=self)
         settle(job, entered, handed=True)  # the commit writes each span as its copy ends
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
