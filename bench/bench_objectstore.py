@@ -91,7 +91,7 @@ import s3util  # tests/: credentials, free ports
 
 DEFAULT_JSON = RESULTS / "objectstore.json"
 STORES = ("s3", "gs")
-READ_THREADS = 4  # cairn.handlers._train_state._read_pool
+READ_THREADS = 4  # cairn.handlers._train_state.read._read_pool
 GOALS = {
     "save_vs_ts": ("save throughput, cairn ÷ TensorStore", ">=", 0.8),
     "restore_vs_ts": ("restore throughput, cairn ÷ TensorStore", ">=", 0.8),
@@ -347,19 +347,19 @@ def planned_objects(handler: Any, state: Any) -> list[tuple[str, Callable[[], by
     import crc32c
     import numpy as np
 
-    from cairn.handlers import _train_state as tsmod
+    from cairn.handlers._train_state import layout
 
     snap = handler.snapshot(state)
     objects: list[tuple[str, Callable[[], bytes]]] = []
     for leaf in snap._leaves:
         base = f"arrays/{leaf.index}"
-        meta = json.dumps(tsmod._zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)).encode()
+        meta = json.dumps(layout._zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)).encode()
         objects.append((f"{base}/zarr.json", lambda meta=meta: meta))
         original = state
         for key in leaf.path:  # the caller's array, not the snapshot's copy of it
             original = original[key]
         for region, _ in leaf.pieces:
-            for key, part in tsmod._chunks_of(region, np.asarray(original)[region], leaf.chunk):
+            for key, part in layout._chunks_of(region, np.asarray(original)[region], leaf.chunk):
 
                 def make(part: Any = part) -> bytes:
                     raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
@@ -529,7 +529,7 @@ def run_round(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- proposals
 # Changes to cairn tried in the child process only (--patch), to measure what they would gain.
-# They are proposals for handlers/_train_state.py, not cairn's code.
+# They are proposals for handlers/_train_state/, not cairn's code.
 
 
 Patch = tuple[Any, str, Any]  # (owner, attribute, replacement)
@@ -540,10 +540,10 @@ def patch_restore_meta_from_manifest() -> Patch:
     XXH3-128) is that of the metadata tree.json implies, which is then what the file holds;
     read it as now otherwise (other writers, format-1 manifests). Today `_LeafReader._check`
     GETs every leaf's zarr.json on the caller thread, one request at a time."""
-    from cairn.handlers import _train_state as tsmod
     from cairn.handlers._files import content_hash
+    from cairn.handlers._train_state import layout, read
 
-    original = tsmod._LeafReader._check
+    original = read._LeafReader._check
 
     class Known:
         def __init__(self, stored: Any, relpath: str, data: bytes) -> None:
@@ -562,7 +562,7 @@ def patch_restore_meta_from_manifest() -> Patch:
             return original(self)
         relpath = f"{self.node['f']}/zarr.json"
         record = self.stored.files.get(relpath)
-        data = json.dumps(tsmod._zarr_metadata(self.shape, self.dtype, self.chunk)).encode()
+        data = json.dumps(layout._zarr_metadata(self.shape, self.dtype, self.chunk)).encode()
         if record is None or record.size != len(data) or record.xxh3_128 != content_hash(data):
             return original(self)
         stored, self.stored = self.stored, Known(self.stored, relpath, data)
@@ -571,7 +571,7 @@ def patch_restore_meta_from_manifest() -> Patch:
         finally:
             self.stored = stored
 
-    return tsmod._LeafReader, "_check", check
+    return read._LeafReader, "_check", check
 
 
 def patch_restore_copy_nogil() -> Patch:

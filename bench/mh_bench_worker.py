@@ -133,23 +133,24 @@ def planned_objects(handler: Any, state: Any, primary: bool) -> list[tuple[str, 
     its shards with replica_id 0 (the snapshot keeps only those), raw bytes + crc32c tail."""
     import crc32c
 
-    from cairn.handlers import _train_state as tsmod
+    from cairn.handlers._train_state import layout
+    from cairn.handlers._tree import TREE
 
     snap = handler.snapshot(state)
     objects: list[tuple[str, bytes]] = []
     for leaf in snap._leaves:
         base = f"arrays/{leaf.index}"
         if primary:
-            meta = tsmod._zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
+            meta = layout._zarr_metadata(leaf.shape, leaf.dtype, leaf.chunk)
             objects.append((f"{base}/zarr.json", json.dumps(meta).encode()))
         if leaf.shared and not primary:
             continue
         for region, data in leaf.pieces:
-            for key, part in tsmod._chunks_of(region, data, leaf.chunk):
+            for key, part in layout._chunks_of(region, data, leaf.chunk):
                 raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8).tobytes()
                 objects.append((f"{base}/{key}", raw + crc32c.crc32c(raw).to_bytes(4, "little")))
     if primary:
-        objects.append((tsmod.TREE, json.dumps(snap._tree).encode()))
+        objects.append((TREE, json.dumps(snap._tree).encode()))
     return objects
 
 

@@ -109,7 +109,7 @@ def group_staged(
 ) -> list[list[tuple[str, int, int]]]:
     """Staged chunks (path, slab offset, bytes; in slab order) in packs of at most `limit`
     bytes of the slab each (one larger chunk alone). With `limit` the `PACK_BYTES` that the
-    train state's staging used (`_train_state._stage_layout`), each pack starts where staging
+    train state's staging used (`_train_state.staging._stage_layout`), each pack starts where staging
     put a page boundary, or where a chunk before it was left out (an unchanged chunk of an
     incremental save)."""
     packs: list[list[tuple[str, int, int]]] = []

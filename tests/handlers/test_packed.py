@@ -28,7 +28,8 @@ from cairn.handlers import _packs as packs_impl
 from cairn.handlers._files import LocalDestination
 from cairn.handlers._packs import PACK_BYTES, group, group_staged
 from cairn.handlers._staging import PAGE
-from cairn.handlers._train_state import _stage_layout, _Tickets
+from cairn.handlers._train_state.staging import _stage_layout
+from cairn.handlers._train_state.threads import _Tickets
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager
 from cairn.manager._format import dump_checked
@@ -557,7 +558,7 @@ def test_the_hash_pass_gives_each_chunk_and_the_pack_their_own_hashes(
 def test_a_cast_view_is_hashed_in_pieces_as_its_stored_bytes(part: np.ndarray) -> None:
     """The hash of a view that save_dtype casts, made a piece at a time, is the hash of the whole
     chunk as written."""
-    from cairn.handlers._train_state import _cast_digest, _raw
+    from cairn.handlers._train_state.layout import _cast_digest, _raw
 
     want = np.dtype(ml_dtypes.bfloat16)
     assert _cast_digest(part, want) == xxhash.xxh3_128_hexdigest(_raw(part, want))

@@ -317,10 +317,10 @@ def test_staged_and_unstaged_snapshots_write_the_same_files(
     pieces, the copies run on the pool while the write waits for each chunk's."""
     import ml_dtypes
 
-    from cairn.handlers import _train_state
+    from cairn.handlers._train_state import staging
 
     if copy_piece is not None:
-        monkeypatch.setattr(_train_state, "_COPY_PIECE", copy_piece)
+        monkeypatch.setattr(staging, "_COPY_PIECE", copy_piece)
 
     rng = np.random.default_rng(3)
     state = {
@@ -419,10 +419,10 @@ def test_max_staging_bytes_keeps_views_past_the_bound(
 def small_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Staging copies of 64 KiB pieces, on the copy pool (as a state of gigabytes is), and packs
     of 1 MiB, so that a state of a few MiB has several packs and many copies."""
-    from cairn.handlers import _train_state
+    from cairn.handlers._train_state import staging
 
-    monkeypatch.setattr(_train_state, "_COPY_PIECE", 64 * 1024)
-    monkeypatch.setattr(_train_state, "PACK_BYTES", MiB)
+    monkeypatch.setattr(staging, "_COPY_PIECE", 64 * 1024)
+    monkeypatch.setattr(staging, "PACK_BYTES", MiB)
     monkeypatch.setattr(LocalDestination, "pack_bytes", MiB)
 
 
@@ -436,19 +436,19 @@ def test_the_commit_writes_the_first_pack_while_save_still_copies_the_last(
 ) -> None:
     """The last staging copy is held until the commit thread has written a pack: save() hands
     the commit over before its copies end, returns only once they have, and the step is whole."""
-    from cairn.handlers import _train_state
+    from cairn.handlers._train_state import staging, write
     from cairn.manager import CheckpointManager
 
     first_pack = threading.Event()
     overlapped: list[bool] = []
-    write_pack, copy = _train_state.write_pack, _train_state._Copying._copy
+    write_pack, copy = write.write_pack, staging._Copying._copy
 
     def writing(*args: object, **kwargs: object) -> object:
         out = write_pack(*args, **kwargs)  # type: ignore[arg-type]
         first_pack.set()
         return out
 
-    def copying(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+    def copying(self: staging._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
         if n == len(self._ends) - 1:  # the last copy: into the last pack
             overlapped.append(first_pack.wait(10))
         copy(self, n, dst, src)
@@ -457,8 +457,8 @@ def test_the_commit_writes_the_first_pack_while_save_still_copies_the_last(
         mgr.save(1, {"state": _leaves(4, 0.0)})  # the first save warms the pool
         mgr.wait_until_finished()
         mgr._staging.wait()
-        monkeypatch.setattr(_train_state, "write_pack", writing)
-        monkeypatch.setattr(_train_state._Copying, "_copy", copying)
+        monkeypatch.setattr(write, "write_pack", writing)
+        monkeypatch.setattr(staging._Copying, "_copy", copying)
         state = _leaves(4, 10.0)
         mgr.save(2, {"state": state})
         assert overlapped == [True]  # save() waited for the held copy, the pack went out first
@@ -477,23 +477,23 @@ def test_a_failed_staging_copy_fails_that_save_and_nothing_else(
 ) -> None:
     """A copy into staging memory that raises: the step is not committed (an async save reports
     it as its commit's error, a sync save raises it), the slab goes back, the next save works."""
-    from cairn.handlers import _train_state
+    from cairn.handlers._train_state import staging
     from cairn.manager import CheckpointManager, CommitError
 
-    copy = _train_state._Copying._copy
+    copy = staging._Copying._copy
 
     class Unreadable:
         def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
             raise OSError(5, "Input/output error")
 
-    def failing(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+    def failing(self: staging._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
         copy(self, n, dst, Unreadable() if n == 3 else src)  # type: ignore[arg-type]
 
     with CheckpointManager(tmp_path / "run", async_save=async_save) as mgr:
         mgr.save(1, {"state": _leaves(4, 0.0)})
         mgr.wait_until_finished()
         mgr._staging.wait()
-        monkeypatch.setattr(_train_state._Copying, "_copy", failing)
+        monkeypatch.setattr(staging._Copying, "_copy", failing)
         if async_save:
             assert mgr.save(2, {"state": _leaves(4, 1.0)})
             with pytest.raises(CommitError, match="staging memory") as caught:
@@ -505,7 +505,7 @@ def test_a_failed_staging_copy_fails_that_save_and_nothing_else(
         assert mgr.all_steps() == [1]
         assert mgr._staging._in_use == 0  # the failed save's slab is back in the pool
         monkeypatch.undo()
-        monkeypatch.setattr(_train_state, "_COPY_PIECE", 64 * 1024)
+        monkeypatch.setattr(staging, "_COPY_PIECE", 64 * 1024)
         mgr.save(3, {"state": _leaves(4, 3.0)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1, 3]
@@ -520,17 +520,17 @@ def test_release_gives_the_slab_back_only_after_the_copies_end(
 ) -> None:
     """A snapshot released while its copies run (a commit that failed before writing) keeps the
     slab from its pool until the last copy is done: another save must not stage into it."""
-    from cairn.handlers import _train_state
+    from cairn.handlers._train_state import staging
 
     held = threading.Event()
-    copy, wait = _train_state._Copying._copy, _train_state._Copying.wait
+    copy, wait = staging._Copying._copy, staging._Copying.wait
 
-    def copying(self: _train_state._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
+    def copying(self: staging._Copying, n: int, dst: np.ndarray, src: np.ndarray) -> None:
         if n == len(self._ends) - 1:
             held.wait(30)
         copy(self, n, dst, src)
 
-    def waiting(self: _train_state._Copying, *args: object, **kwargs: object) -> None:
+    def waiting(self: staging._Copying, *args: object, **kwargs: object) -> None:
         held.set()  # release() waits now: let the last copy go
         wait(self, *args, **kwargs)  # type: ignore[arg-type]
 
@@ -544,8 +544,8 @@ def test_release_gives_the_slab_back_only_after_the_copies_end(
     monkeypatch.setattr(
         pool, "_give_back", lambda *a: (copies_left.append(snap._copying._left), give_back(*a))
     )
-    monkeypatch.setattr(_train_state._Copying, "_copy", copying)
-    monkeypatch.setattr(_train_state._Copying, "wait", waiting)
+    monkeypatch.setattr(staging._Copying, "_copy", copying)
+    monkeypatch.setattr(staging._Copying, "wait", waiting)
     with staging_for(pool, "state"):
         snap = handler.snapshot(_leaves(4, 1.0))
     assert snap._copying is not None and snap._lease is not None

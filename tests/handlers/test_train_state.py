@@ -392,7 +392,7 @@ def test_accelerator_arrays_reach_the_host_as_copies_started_together(
     device-to-host copy starts (into pinned host memory, or by copy_to_host_async) before the
     first is waited for; the snapshot holds those copies, never the state's buffers, so the
     next step donates even with zero_copy=True, and the checkpoint holds the values at save."""
-    import cairn.handlers._train_state as impl
+    import cairn.handlers._train_state.handler as impl
 
     monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
     monkeypatch.setattr(impl, "_PINNED_PLATFORMS", (PLATFORM,) if pinned else ())
@@ -446,7 +446,7 @@ def test_a_pinned_copy_numpy_refuses_falls_back_to_the_plain_copy(
 ) -> None:
     """Should NumPy refuse a `pinned_host` array on some backend, the save takes the plain
     device-to-host copy instead of failing."""
-    import cairn.handlers._train_state as impl
+    import cairn.handlers._train_state.handler as impl
 
     monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
     monkeypatch.setattr(impl, "_PINNED_PLATFORMS", (PLATFORM,))

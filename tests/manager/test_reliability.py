@@ -243,7 +243,7 @@ def small_filesystem(path: Path, size: str = "3m") -> Iterator[str]:
 
 def enospc_layer(monkeypatch: pytest.MonkeyPatch, budget: list[int]) -> None:
     """Make cairn's file writes fail with ENOSPC once `budget[0]` bytes are used up."""
-    from cairn.handlers import _files, _train_state
+    from cairn.handlers import _files
 
     def spend(n: int) -> None:
         if n > budget[0]:
@@ -262,7 +262,7 @@ def enospc_layer(monkeypatch: pytest.MonkeyPatch, budget: list[int]) -> None:
         return real_writev(fd, buffers)
 
     monkeypatch.setattr(_files.ChecksummedFile, "write", write)
-    monkeypatch.setattr(_train_state.os, "writev", writev)
+    monkeypatch.setattr(os, "writev", writev)
 
 
 def test_a_full_disk_fails_the_save_and_loses_nothing(

@@ -798,7 +798,7 @@ def test_on_an_accelerator_the_host_copies_reach_the_writer_in_shared_memory(
     H200). The CPU backend made to pass for an accelerator."""
     import jax.numpy as jnp
 
-    import cairn.handlers._train_state as impl
+    import cairn.handlers._train_state.handler as impl
     from cairn.manager._core import writer as _writer
 
     monkeypatch.setattr(impl, "_HOST_PLATFORMS", ())
