@@ -35,9 +35,12 @@ from cairn.handlers.errors import (
 from cairn.handlers.io import (
     StagingPool,
     WriteBudget,
+    check_item,
     chunks_by_pack,
     lower_thread_priority,
     parse_json,
+    release_snapshot,
+    settle_snapshot,
     staging_for,
     writing_as,
 )
@@ -1127,10 +1130,8 @@ class CheckpointManager:
             handler = self._handlers.get(name) or handler_by_id(handler_id)
         except UnsupportedFormatError:
             return []
-        check = getattr(handler, "check", None)
         try:
-            if check is not None:
-                check(stored)
+            check_item(handler, stored)
         except CorruptCheckpointError as e:
             return [str(e)]
         return []
@@ -1498,13 +1499,11 @@ def _settle(job: _commit.SaveJob, entered: float, *, handed: bool = False) -> No
     as any other (the commit's write waits for the same copies and fails)."""
     try:
         for _, snapshot in job.snapshots.values():
-            settle = getattr(snapshot, "settle", None)
-            if callable(settle):
-                try:
-                    settle()
-                except Exception:
-                    if not handed:
-                        raise
+            try:
+                settle_snapshot(snapshot)
+            except Exception:
+                if not handed:
+                    raise
     finally:
         job.blocked_s = time.monotonic() - entered
         if job.settled is not None:
@@ -1515,9 +1514,7 @@ def _release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
     """Give the snapshots' staging memory back to the pool (a writer process is done with it,
     or the save never reached one)."""
     for _, snapshot in snapshots.values():
-        release = getattr(snapshot, "release", None)
-        if callable(release):
-            release()
+        release_snapshot(snapshot)
 
 
 def _uses_time(policy: Any) -> bool:
