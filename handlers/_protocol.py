@@ -7,7 +7,14 @@ from typing import Any, Protocol
 
 from cairn.handlers._files import Destination, FileRecord, StoredItem
 
-__all__ = ["Handler", "Snapshot"]
+__all__ = [
+    "Handler",
+    "Snapshot",
+    "check_item",
+    "release_snapshot",
+    "settle_snapshot",
+    "snapshot_version",
+]
 
 
 class Snapshot(Protocol):
@@ -16,11 +23,18 @@ class Snapshot(Protocol):
     A snapshot owns its data: nothing the caller does to the original object after `save()` returns
     (mutating, overwriting, donating arrays) may change what `write` stores.
 
-    Optionally, ``settle()``: a snapshot whose copies of the caller's data still run when
-    `snapshot` returns (the train state's staging copies) waits for them there. The manager hands
-    the snapshot to the commit thread first and calls `settle` before ``save()`` returns, so
-    `write` may start meanwhile and must itself wait for what it reads. Without `settle`, the
-    snapshot is complete when `snapshot` returns.
+    Optional, besides the protocol (the manager calls them through `settle_snapshot`,
+    `release_snapshot` and `snapshot_version`, which do without them):
+
+    - ``settle()``: a snapshot whose copies of the caller's data still run when `snapshot`
+      returns (the train state's staging copies) waits for them there. The manager hands the
+      snapshot to the commit thread first and calls `settle` before ``save()`` returns, so
+      `write` may start meanwhile and must itself wait for what it reads. Without `settle`, the
+      snapshot is complete when `snapshot` returns.
+    - ``release()``: give back what the snapshot holds (the train state's staging memory) once
+      a writer process is done with it, or when the save never reached one.
+    - ``version``: which of its handler's versions the snapshot writes (the train state's
+      layout), stored in the manifest instead of the handler's `version`.
     """
 
     def write(self, dest: Destination) -> Sequence[FileRecord]:
@@ -49,6 +63,9 @@ class Handler(Protocol):
     `id` is stored in the manifest and finds the handler again at restore time; `version` is the
     handler's on-disk format version, also stored. The manager refuses (UnsupportedFormatError)
     to hand a handler an item written by a newer version of the same handler id.
+
+    Optional, besides the protocol: ``check(stored) -> None``, what `restore` would refuse
+    before it reads any data (see `check_item`, through which ``verify`` calls it).
     """
 
     id: str
@@ -73,8 +90,37 @@ class Handler(Protocol):
         ...
 
 
-# Optional, besides the protocol: ``check(stored) -> None``, what `restore` would refuse before
-# it reads any data (metadata that does not parse or does not agree with the files' records),
-# as CorruptCheckpointError naming the file. ``verify`` calls it where a handler has it, after
-# it checked every file's content (`TrainStateHandler`, `JsonHandler` and the iterator handlers
-# have it).
+# The optional hooks, as the manager calls them. Handlers and snapshots do not inherit from the
+# protocols above (they are structural), so a hook one does not define is looked up here, and
+# these do nothing (or take the handler's own value) where it is absent.
+
+
+def settle_snapshot(snapshot: Snapshot) -> None:
+    """The snapshot's ``settle()`` (see `Snapshot`), where it has one."""
+    settle = getattr(snapshot, "settle", None)
+    if callable(settle):
+        settle()
+
+
+def release_snapshot(snapshot: Snapshot) -> None:
+    """The snapshot's ``release()`` (see `Snapshot`), where it has one."""
+    release = getattr(snapshot, "release", None)
+    if callable(release):
+        release()
+
+
+def snapshot_version(handler: Handler, snapshot: Snapshot) -> int:
+    """The version the manifest records for an item: the snapshot's ``version`` (see
+    `Snapshot`), else its handler's."""
+    version: int = getattr(snapshot, "version", handler.version)
+    return version
+
+
+def check_item(handler: Handler, stored: StoredItem) -> None:
+    """The handler's ``check(stored)``, where it has one: what `restore` would refuse before it
+    reads any data (metadata that does not parse or does not agree with the files' records), as
+    CorruptCheckpointError naming the file. ``verify`` calls it after it checked every file's
+    content (`TrainStateHandler`, `JsonHandler` and the iterator handlers have it)."""
+    check = getattr(handler, "check", None)
+    if check is not None:
+        check(stored)

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers._files import _libc, lower_thread_priority
+from cairn.handlers._files import lower_thread_priority
+from cairn.handlers._files.threads import _libc
 
 __all__ = ["Lease", "Slab", "StagingPool", "current_staging", "staging_for"]
 

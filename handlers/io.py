@@ -14,7 +14,9 @@ Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Objec
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
 `read_orbax_metadata`. Optional libraries: `optional` (a missing one raises
-MissingDependencyError naming the pip extra).
+MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
+them (nothing, or the handler's own value, where a snapshot or handler lacks one):
+`settle_snapshot`, `release_snapshot`, `snapshot_version`, `check_item`.
 """
 
 from cairn.handlers._files import (
@@ -54,6 +56,12 @@ from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
 from cairn.handlers._orbax import orbax_items
 from cairn.handlers._orbax import read_metadata as read_orbax_metadata
 from cairn.handlers._packs import chunks_by_pack
+from cairn.handlers._protocol import (
+    check_item,
+    release_snapshot,
+    settle_snapshot,
+    snapshot_version,
+)
 from cairn.handlers._staging import Slab, StagingPool, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
@@ -77,6 +85,7 @@ __all__ = [
     "StoredItem",
     "WriteBudget",
     "as_destination",
+    "check_item",
     "check_relative",
     "chunks_by_pack",
     "content_hash",
@@ -95,6 +104,9 @@ __all__ = [
     "parse_json",
     "read_no_follow",
     "read_orbax_metadata",
+    "release_snapshot",
+    "settle_snapshot",
+    "snapshot_version",
     "staging_for",
     "within",
     "write_file",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cairn.handlers import Destination, FileRecord, Handler, Snapshot
-from cairn.handlers.io import WriteBudget, writing_as
+from cairn.handlers.io import WriteBudget, snapshot_version, writing_as
 from cairn.manager._core.multihost import SINGLE, Meetings
 from cairn.manager._format import ItemEntry, Manifest, StepNames
 from cairn.manager._storage.base import Storage
@@ -188,7 +188,7 @@ def build_manifest(
     """The manifest of a written step (its commit time is now)."""
     items = {
         # A snapshot may say which of its handler's versions it wrote (the train state's layout).
-        name: ItemEntry(handler.id, getattr(snap, "version", handler.version), records[name])
+        name: ItemEntry(handler.id, snapshot_version(handler, snap), records[name])
         for name, (handler, snap) in job.snapshots.items()
     }
     size = sum(entry.bytes for entry in items.values())

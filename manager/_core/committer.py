@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from cairn.handlers import Handler
 from cairn.handlers.errors import BarrierTimeoutError, CommitError, WriterProcessError
-from cairn.handlers.io import lower_thread_priority
+from cairn.handlers.io import lower_thread_priority, release_snapshot, settle_snapshot
 from cairn.manager._core import commit as _commit
 from cairn.manager._core.catalog import Catalog, StepRecord
 from cairn.manager._core.coordination import Coordinator
@@ -338,9 +338,7 @@ def release(snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
     """Give the snapshots' staging memory back to the pool (a writer process is done with it,
     or the save never reached one)."""
     for _, snapshot in snapshots.values():
-        rel = getattr(snapshot, "release", None)
-        if callable(rel):
-            rel()
+        release_snapshot(snapshot)
 
 
 def settle(job: _commit.SaveJob, entered: float, *, handed: bool = False) -> None:
@@ -351,13 +349,11 @@ def settle(job: _commit.SaveJob, entered: float, *, handed: bool = False) -> Non
     as any other (the commit's write waits for the same copies and fails)."""
     try:
         for _, snapshot in job.snapshots.values():
-            settle_copies = getattr(snapshot, "settle", None)
-            if callable(settle_copies):
-                try:
-                    settle_copies()
-                except Exception:
-                    if not handed:
-                        raise
+            try:
+                settle_snapshot(snapshot)
+            except Exception:
+                if not handed:
+                    raise
     finally:
         job.blocked_s = time.monotonic() - entered
         if job.settled is not None:

@@ -22,7 +22,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import chunks_by_pack, parse_json, writing_as
+from cairn.handlers.io import check_item, chunks_by_pack, parse_json, writing_as
 from cairn.manager._core.catalog import Catalog, StepRecord, read_record
 from cairn.manager._core.multihost import Processes
 from cairn.manager._core.telemetry import Telemetry
@@ -362,10 +362,8 @@ class Reader:
             handler = self._handlers.get(name) or handler_by_id(handler_id)
         except UnsupportedFormatError:
             return []
-        check = getattr(handler, "check", None)
         try:
-            if check is not None:
-                check(stored)
+            check_item(handler, stored)
         except CorruptCheckpointError as e:
             return [str(e)]
         return []

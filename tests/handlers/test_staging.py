@@ -17,7 +17,8 @@ import pytest
 from conftest import Gate
 
 from cairn.handlers import LocalDestination, TrainStateHandler
-from cairn.handlers._files import _NO_DIRECT_DEVICES, DIRECT_MIN, io_priority
+from cairn.handlers._files import DIRECT_MIN, io_priority
+from cairn.handlers._files.disk import _NO_DIRECT_DEVICES
 from cairn.handlers._staging import PAGE, StagingPool, staging_for
 from cairn.handlers.io import BACKGROUND_NICE, WriteBudget, lower_thread_priority
 

@@ -131,27 +131,27 @@ def test_a_file_of_the_previous_step_swapped_for_a_link_is_not_linked(tmp_path: 
 
 def test_a_new_process_reads_a_file_once_before_linking_it(tmp_path: Path) -> None:
     """Files this process did not write are hashed before their first link (then known)."""
-    from cairn.handlers import _files
+    from cairn.handlers._files import disk  # where LocalDestination links known files
 
     with CheckpointManager(tmp_path, incremental=True) as mgr:
         mgr.save(1, {"state": state(1)})
         mgr.wait_until_finished()
-    _files._KNOWN.clear()  # as after a restart
+    disk._KNOWN.clear()  # as after a restart
     reads = []
-    real = _files._hash_fd
+    real = disk._hash_fd
 
     def counting(fd: int, hashes: Any = None) -> str:
         reads.append(fd)
         return real(fd, hashes)
 
-    _files._hash_fd = counting  # type: ignore[assignment]
+    disk._hash_fd = counting  # type: ignore[assignment]
     try:
         with CheckpointManager(tmp_path, incremental=True) as mgr:
             for step in (2, 3):
                 mgr.save(step, {"state": state(step)})
                 mgr.wait_until_finished()
     finally:
-        _files._hash_fd = real  # type: ignore[assignment]
+        disk._hash_fd = real  # type: ignore[assignment]
     first = len(reads)
     assert first >= 1  # step 2 read step 1's frozen chunk (and the small files it shares)
     assert inode(tmp_path, 3, FROZEN) == inode(tmp_path, 1, FROZEN)

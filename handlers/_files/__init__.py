@@ -1,0 +1,77 @@
+"""Files with checksums computed while writing, verified reads, and fsync helpers.
+
+A handler's write phase returns one `FileRecord` per file it wrote; the manager puts them in the
+manifest, and `StoredItem.read_bytes` checks size and crc32c on the way back in. The checksum is
+always computed from the bytes as they are written, never by reading the file again.
+
+The modules, each using only those before it: `records` (file records, content hashes, the
+checks on names and JSON read from a checkpoint), `localio` (no-follow reads, `within`,
+`ChecksummedFile`, fsync), `threads` (writing processes, background priority, `WriteBudget`),
+`source` (`Source`, `LocalSource`, `StoredItem`), `destination` (`Destination`, `write_file`) and
+`disk` (`LocalDestination`, `KnownFiles`).
+"""
+
+from cairn.handlers._files.destination import BufferedFile, Destination, write_file
+from cairn.handlers._files.disk import DIRECT_MIN, KnownFiles, LocalDestination, as_destination
+from cairn.handlers._files.localio import (
+    ChecksummedFile,
+    fsync_dir,
+    fsync_path,
+    hash_file,
+    open_regular,
+    read_no_follow,
+    within,
+)
+from cairn.handlers._files.records import (
+    CONTENT_HASH,
+    NOT_THE_CHUNK,
+    FileRecord,
+    RangeHashes,
+    Ranges,
+    check_relative,
+    content_hash,
+    parse_json,
+)
+from cairn.handlers._files.source import LocalSource, Source, StoredItem
+from cairn.handlers._files.threads import (
+    BACKGROUND_NICE,
+    WriteBudget,
+    io_priority,
+    lower_thread_priority,
+    writing_as,
+    writing_process,
+)
+
+__all__ = [
+    "BACKGROUND_NICE",
+    "CONTENT_HASH",
+    "DIRECT_MIN",
+    "NOT_THE_CHUNK",
+    "BufferedFile",
+    "ChecksummedFile",
+    "Destination",
+    "FileRecord",
+    "KnownFiles",
+    "LocalDestination",
+    "LocalSource",
+    "RangeHashes",
+    "Ranges",
+    "Source",
+    "StoredItem",
+    "WriteBudget",
+    "as_destination",
+    "check_relative",
+    "content_hash",
+    "fsync_dir",
+    "fsync_path",
+    "hash_file",
+    "io_priority",
+    "lower_thread_priority",
+    "open_regular",
+    "parse_json",
+    "read_no_follow",
+    "within",
+    "write_file",
+    "writing_as",
+    "writing_process",
+]
