@@ -1,8 +1,9 @@
 """Files with checksums computed while writing, verified reads, and fsync helpers.
 
 A handler's write phase returns one `FileRecord` per file it wrote; the manager puts them in the
-manifest, and `StoredItem.read_bytes` checks size and crc32c on the way back in. The checksum is
-always computed from the bytes as they are written, never by reading the file again.
+manifest, and `StoredItem.read_bytes` checks the size and the content hash (XXH3-128; CRC-32C in
+format-1 manifests) on the way back in. The hash is computed from the bytes as they are written
+(the packed layout hashes a pack after writing it, from memory), never by reading the file again.
 
 The modules, each using only those before it: `records` (file records, content hashes, the
 checks on names and JSON read from a checkpoint), `localio` (no-follow reads, `within`,
