@@ -3,7 +3,6 @@ and reading a cairn step's item ``state`` as T5X restores it."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -18,8 +17,6 @@ from cairn.handlers import TrainStateRestore
 from cairn.handlers.errors import MismatchError
 from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._core.validate import as_step
-
-log = logging.getLogger("cairn")
 
 STATE, DATASET = "state", "dataset"
 
