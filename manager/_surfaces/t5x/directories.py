@@ -1,0 +1,200 @@
+"""T5X's module functions on checkpoint directories: step directory names, the steps committed
+(cairn's, and those a T5X job wrote), finding a checkpoint, and load_t5x_checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cairn.handlers.errors import CairnError
+from cairn.handlers.io import read_no_follow
+from cairn.manager._core import takeover
+from cairn.manager._core.manager import CheckpointManager
+from cairn.manager._core.validate import as_step
+from cairn.manager._format import MANIFEST, Manifest
+from cairn.manager._layouts import t5x as legacy  # existing T5X runs: T5X's own layouts
+from cairn.manager._surfaces.t5x.foreign import load_foreign
+from cairn.manager._surfaces.t5x.state import (
+    DATASET,
+    STATE,
+    PathLike,
+    _check_fns,
+    _is_target,
+    _read_state,
+)
+
+PREFIX = "checkpoint"
+PINNED = "PINNED"  # T5X's checkpoint_utils.pin_checkpoint: a step holding this file is kept
+_STEP_DIR = re.compile(r"checkpoint_([0-9]+)")
+
+
+def get_checkpoint_dir(
+    checkpoints_dir: PathLike, step: int, step_format_fixed_length: int | None = None
+) -> str:
+    """``<checkpoints_dir>/checkpoint_<step>``, the step zero-padded to a fixed length if given."""
+    step = as_step(step)
+    if step_format_fixed_length is None:
+        name = f"{PREFIX}_{step}"
+    else:
+        if (
+            isinstance(step_format_fixed_length, bool)
+            or not isinstance(step_format_fixed_length, int)
+            or step_format_fixed_length < 1
+        ):
+            raise ValueError(
+                "step_format_fixed_length must be None or a positive int, got "
+                f"{step_format_fixed_length!r}"
+            )
+        name = f"{PREFIX}_{step:0{step_format_fixed_length}d}"
+    return os.path.join(os.fspath(checkpoints_dir), name)
+
+
+def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
+    """``(parent directory, step)`` of a path ``.../checkpoint_<step>`` (T5X's order)."""
+    text = os.fspath(checkpoints_dir).rstrip("/")
+    parent, name = os.path.split(text)
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"Found improperly formatted checkpoint directory: {checkpoints_dir!s} "
+            "(expected a name checkpoint_<step>)"
+        )
+    return parent, int(match.group(1))
+
+
+def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
+    """Committed step directories (named checkpoint_<digits>, holding a manifest) by step."""
+    root = Path(os.fspath(checkpoints_dir))
+    takeover.settle_writer(os.path.realpath(root))  # read your writes: T5X's save is synchronous
+    found: dict[int, Path] = {}
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            found.setdefault(int(match.group(1)), Path(entry.path))
+    # existing T5X runs (manager/_layouts/t5x.py): steps T5X wrote count too, read-only
+    for step, step_dir in legacy.t5x_steps(root).items():
+        found.setdefault(step, step_dir)
+    return found
+
+
+def all_steps(checkpoints_dir: PathLike) -> list[int]:
+    """Committed steps in `checkpoints_dir`, ascending (temporary directories never count)."""
+    return sorted(_committed(checkpoints_dir))
+
+
+def latest_step(checkpoints_dir: PathLike) -> int | None:
+    """The newest committed step, or None (step 0 is a step)."""
+    steps = all_steps(checkpoints_dir)
+    return steps[-1] if steps else None
+
+
+def all_dataset_checkpoint_steps(checkpoints_dir: PathLike) -> list[int]:
+    """Committed steps that still hold the dataset iterator (not dropped by retention)."""
+    steps = []
+    for step, path in sorted(_committed(checkpoints_dir).items()):
+        if not os.path.lexists(path / MANIFEST):  # a step T5X wrote: its train_ds-* files
+            if legacy.has_dataset(path):
+                steps.append(step)
+            continue
+        try:
+            manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), str(path / MANIFEST))
+        except (OSError, CairnError):
+            continue
+        entry = manifest.items.get(DATASET)
+        if entry is not None and not entry.dropped:
+            steps.append(step)
+    return steps
+
+
+def find_checkpoint(path: PathLike, step: int | None = None) -> str:
+    """The manifest file of a checkpoint (cairn's counterpart of T5X's ``checkpoint`` file).
+
+    `path` may be a model directory (then the checkpoint of `step`, or the latest one), a
+    checkpoint directory ``checkpoint_<step>``, or its manifest file. ValueError if none is there.
+    """
+    text = os.fspath(path)
+    candidate = Path(text)
+    if candidate.is_dir():
+        if _STEP_DIR.fullmatch(candidate.name) and step is None:
+            takeover.settle_writer(os.path.realpath(candidate.parent))  # read your writes
+            # a checkpoint directory itself
+        else:
+            if step is None:
+                step = latest_step(candidate)
+                if step is None:
+                    raise ValueError(f"Path is not a valid checkpoint: {text} (no checkpoints)")
+            found = _committed(candidate).get(as_step(step))
+            candidate = found if found is not None else Path(get_checkpoint_dir(candidate, step))
+        candidate = candidate / legacy.checkpoint_file(candidate)  # T5X's: its `checkpoint`
+    if not candidate.is_file() or candidate.name != legacy.checkpoint_file(candidate.parent):
+        raise ValueError(f"Path is not a valid checkpoint: {candidate}")
+    return str(candidate)
+
+
+def _open_step(path: PathLike, step: int | None = None) -> tuple[CheckpointManager, int]:
+    """A read-only manager on the directory holding the checkpoint, and its step."""
+    manifest = Path(find_checkpoint(path, step))
+    parent, found = get_step_from_checkpoint_dir(manifest.parent)
+    return CheckpointManager(parent, read_only=True), found
+
+
+def load_t5x_checkpoint(
+    path: PathLike,
+    step: int | None = None,
+    state_transformation_fns: Sequence[Callable[..., Any]] = (),
+    remap: bool = True,
+    restore_dtype: Any = None,
+    lazy_parameters: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint's train state as a nested dict, without an optimizer or a template.
+
+    Leaves come back as they were saved: NumPy arrays, or ``jax.Array`` on the default device for
+    leaves saved from ``jax.Array``.
+
+    The dict has T5X's layout (``{"target": ..., "state": {"step", "param_states"}}``).
+    `state_transformation_fns` run in order as ``fn(state_dict, {})`` when `remap` is True (as
+    T5X; `remap=False` skips them). Leaves keep the dtype saved in the checkpoint;
+    `restore_dtype` casts every array of ``target`` (integer ones too, as T5X).
+    `lazy_parameters` returns every leaf as a LazyArray that reads on ``.get()``.
+    """
+    fns = _check_fns(state_transformation_fns, "state_transformation_fns")
+    if not isinstance(remap, bool) or not isinstance(lazy_parameters, bool):
+        raise TypeError("remap and lazy_parameters must be bools")
+    mgr, found = _open_step(path, step)
+    with mgr:
+        # existing T5X runs (manager/_layouts/t5x.py): a step in T5X's legacy or Orbax layout
+        foreign = load_foreign(
+            mgr,
+            found,
+            state_item=STATE,
+            fns=fns if remap else (),
+            restore_dtype=restore_dtype,
+            cast=_is_target,
+            lazy=lazy_parameters,
+        )
+        if foreign is not None:
+            return foreign
+        transforms = [lambda state, target, fn=fn: fn(state, {}) for fn in fns] if remap else []
+        restored = _read_state(
+            mgr,
+            found,
+            template=None,
+            transforms=transforms,
+            fallback_state=None,
+            lazy=lazy_parameters,
+            restore_dtype=None if restore_dtype is None else np.dtype(restore_dtype),
+        )
+    if restore_dtype is not None and "target" not in restored:
+        raise ValueError(
+            f"restore_dtype={restore_dtype} was specified, but no `target` parameters were loaded."
+        )
+    return restored
