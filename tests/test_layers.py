@@ -163,22 +163,12 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     assert floor("cairn.manager._surfaces.cli") > floor("cairn.manager._core.c")
 
 
-# Modules still over the limit while issue 44 splits them, each at most its size when it was
-# listed: one may shrink (then lower or drop its entry), none may grow, no other may join.
-OVER_900 = {
-    "manager/_surfaces/speechbrain.py": 1116,
-}
-
-
 def test_no_module_over_900_lines() -> None:
     sizes = {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for path in modules().values()
     }
-    over = {name: n for name, n in sizes.items() if n > OVER_900.get(name, 900)}
-    assert over == {}, "modules over 900 lines, or grown past their OVER_900 entry"
-    done = {name for name in OVER_900 if sizes.get(name, 0) <= 900}
-    assert not done, f"split: drop {sorted(done)} from OVER_900"
+    assert {name: n for name, n in sizes.items() if n > 900} == {}
 
 
 def test_checkpoint_manager_size() -> None:

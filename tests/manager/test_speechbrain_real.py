@@ -169,7 +169,8 @@ def test_crafted_meta_tags_are_damage_not_objects(
     """A manifest meta with cairn's tags that cairn did not write (a path that is not a str, a
     tensor that is not an array) makes that checkpoint skipped with a warning, the others
     listed."""
-    from cairn.manager._surfaces import speechbrain as impl
+    from cairn.manager._surfaces.speechbrain import checkpointer as impl
+    from cairn.manager._surfaces.speechbrain.meta import _decode_meta
 
     for bad in (
         {"__cairn__": "path", "value": 1},
@@ -178,7 +179,7 @@ def test_crafted_meta_tags_are_damage_not_objects(
         {"__cairn__": "tuple", "items": "ab"},
     ):
         with pytest.raises((ValueError, KeyError, TypeError)):
-            impl._decode_meta({"k": bad})
+            _decode_meta({"k": bad})
     # through the Checkpointer: the manifest's meta replaced by a crafted one
     counter = EpochCounter(3)
     with Checkpointer(tmp_path, {"counter": counter}) as checkpointer:

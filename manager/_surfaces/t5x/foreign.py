@@ -1,5 +1,5 @@
-"""Steps a T5X job wrote (its legacy layout, or its Orbax layout), restored through a manager:
-the T5X surface's one entry point to `cairn.manager._layouts.t5x`, which reads the files."""
+"""Steps a T5X job wrote (its legacy layout, or its Orbax layout), restored through a manager;
+`cairn.manager._layouts.t5x` reads the files."""
 
 from __future__ import annotations
 
