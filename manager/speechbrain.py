@@ -3,18 +3,12 @@
 (docs/migrating-from-speechbrain.md).
 """
 
-from cairn.manager._surfaces.speechbrain import (
-    CKPT_PREFIX,
+from cairn.manager._surfaces.speechbrain.averaging import average_checkpoints, average_state_dicts
+from cairn.manager._surfaces.speechbrain.checkpointer import Checkpointer
+from cairn.manager._surfaces.speechbrain.hooks import (
     DEFAULT_LOAD_HOOKS,
     DEFAULT_SAVE_HOOKS,
     DEFAULT_TRANSFER_HOOKS,
-    METAFNAME,
-    PARAMFILE_EXT,
-    Checkpoint,
-    Checkpointer,
-    average_checkpoints,
-    average_state_dicts,
-    ckpt_recency,
     get_default_hook,
     mark_as_loader,
     mark_as_saver,
@@ -23,6 +17,13 @@ from cairn.manager._surfaces.speechbrain import (
     torch_parameter_transfer,
     torch_recovery,
     torch_save,
+)
+from cairn.manager._surfaces.speechbrain.meta import (
+    CKPT_PREFIX,
+    METAFNAME,
+    PARAMFILE_EXT,
+    Checkpoint,
+    ckpt_recency,
 )
 
 __all__ = [

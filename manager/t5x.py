@@ -2,12 +2,12 @@
 ``from cairn.manager import t5x as checkpoints`` (docs/migrating-from-t5x.md).
 """
 
-from cairn.manager._surfaces.t5x import (
+from cairn.manager._surfaces.t5x.checkpointers import (
     Checkpointer,
     DatasetCheckpointHandler,
-    LazyArray,
-    OrbaxCheckpointManagerInterface,
     SaveBestCheckpointer,
+)
+from cairn.manager._surfaces.t5x.directories import (
     all_dataset_checkpoint_steps,
     all_steps,
     find_checkpoint,
@@ -15,8 +15,10 @@ from cairn.manager._surfaces.t5x import (
     get_step_from_checkpoint_dir,
     latest_step,
     load_t5x_checkpoint,
-    populate_metrics_for_steps,
 )
+from cairn.manager._surfaces.t5x.orbax_wrapper import OrbaxCheckpointManagerInterface
+from cairn.manager._surfaces.t5x.state import LazyArray
+from cairn.manager._surfaces.t5x.tfevents import populate_metrics_for_steps
 
 __all__ = [
     "Checkpointer",

@@ -245,6 +245,17 @@ def test_an_empty_listing_names_the_step_like_directories(
     assert run_cli(capsys, "ls", str(tmp_path))[2] == ""  # nothing step-like: nothing said
 
 
+def test_an_empty_listing_of_a_bucket_says_nothing_more(capsys: pytest.CaptureFixture[str]) -> None:
+    """On an object store the step-like names are not looked for (a LIST of every object):
+    the listing is empty and nothing is added, as cli.md says."""
+    from cairn.manager._storage.kvstore import ObjectStore, StorageOptions
+
+    url = f"memory://cli-empty-{id(capsys)}"
+    ObjectStore(url, StorageOptions()).write("ckpt_7/notes.txt", b"not a step")
+    code, out, err = run_cli(capsys, "ls", url, "--json")
+    assert code == 0 and json.loads(out) == [] and err == ""
+
+
 # ---------------------------------------------------------------------------- untrusted names
 
 # What a stranger's directory may hold in a name: a window-title OSC, clear-screen, a carriage

@@ -8,37 +8,3 @@ wrapper) are listed in docs/migrating-from-t5x.md. The on-disk format is cairn's
 ``{"target": params, "state": {"step", "param_states"}, ...}``) and the dataset iterator as item
 ``dataset`` (one file per process).
 """
-
-from cairn.manager._surfaces.t5x.checkpointers import (
-    Checkpointer,
-    DatasetCheckpointHandler,
-    SaveBestCheckpointer,
-)
-from cairn.manager._surfaces.t5x.directories import (
-    all_dataset_checkpoint_steps,
-    all_steps,
-    find_checkpoint,
-    get_checkpoint_dir,
-    get_step_from_checkpoint_dir,
-    latest_step,
-    load_t5x_checkpoint,
-)
-from cairn.manager._surfaces.t5x.orbax_wrapper import OrbaxCheckpointManagerInterface
-from cairn.manager._surfaces.t5x.state import LazyArray
-from cairn.manager._surfaces.t5x.tfevents import populate_metrics_for_steps
-
-__all__ = [
-    "Checkpointer",
-    "DatasetCheckpointHandler",
-    "LazyArray",
-    "OrbaxCheckpointManagerInterface",
-    "SaveBestCheckpointer",
-    "all_dataset_checkpoint_steps",
-    "all_steps",
-    "find_checkpoint",
-    "get_checkpoint_dir",
-    "get_step_from_checkpoint_dir",
-    "latest_step",
-    "load_t5x_checkpoint",
-    "populate_metrics_for_steps",
-]
