@@ -3,6 +3,7 @@
 (docs/migrating-from-speechbrain.md).
 """
 
+from cairn.manager._layouts.speechbrain import CKPT_PREFIX, METAFNAME, PARAMFILE_EXT, Checkpoint
 from cairn.manager._surfaces.speechbrain.averaging import average_checkpoints, average_state_dicts
 from cairn.manager._surfaces.speechbrain.checkpointer import Checkpointer
 from cairn.manager._surfaces.speechbrain.hooks import (
@@ -18,13 +19,7 @@ from cairn.manager._surfaces.speechbrain.hooks import (
     torch_recovery,
     torch_save,
 )
-from cairn.manager._surfaces.speechbrain.meta import (
-    CKPT_PREFIX,
-    METAFNAME,
-    PARAMFILE_EXT,
-    Checkpoint,
-    ckpt_recency,
-)
+from cairn.manager._surfaces.speechbrain.meta import ckpt_recency
 
 __all__ = [
     "CKPT_PREFIX",

@@ -46,9 +46,10 @@ from cairn.manager._core.preemption import PreemptionWatch
 from cairn.manager._core.reading import ItemInfo, Reader, StepInfo, naming_refusal
 from cairn.manager._core.retention import Retention
 from cairn.manager._core.telemetry import Telemetry
-from cairn.manager._core.validate import as_step, check_items
+from cairn.manager._core.validate import as_step, check_entry_name, check_items
 from cairn.manager._core.writer import pack_job
 from cairn.manager._format import check_metadata, check_metrics, dump_checked
+from cairn.manager._storage.base import Storage
 from cairn.manager._storage.open import open_storage
 
 __all__ = ["CheckpointManager", "ItemInfo", "StepInfo"]
@@ -185,7 +186,7 @@ class CheckpointManager:
         self._writer = not o.read_only and procs.primary  # holds the lock, cleans, deletes
         try:
             if self._writer:
-                self._open_for_writing()
+                _open_for_writing(storage, o, self._reader)
             refusal = None
             if procs.primary:
                 catalog.replace(self._reader.scan())
@@ -234,18 +235,6 @@ class CheckpointManager:
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
         )
         self._preemption_asked: int | None = None
-
-    def _open_for_writing(self) -> None:
-        """The writer (the primary of a writable manager): lock, clean up, save metadata."""
-        self._storage.acquire()
-        if self._options.writer_process and self._storage.for_writer_process() is None:
-            raise ValueError(
-                f"writer='process' cannot commit into {self._where}: a writer "
-                "process cannot reach this process's memory; use writer='thread'"
-            )
-        self._storage.clean_leftovers(self._names)
-        if self._options.metadata is not None:
-            self._reader.save_root_metadata(self._options.metadata)
 
     # ------------------------------------------------------------------ properties
 
@@ -594,7 +583,6 @@ class CheckpointManager:
         """Delete a committed step (after pending commits): rename to trash, then remove."""
         self._check_writable("delete")
         step = as_step(step)
-
         self._reader.refuse_foreign(step)
 
         def remove() -> None:
@@ -604,6 +592,20 @@ class CheckpointManager:
                 self._retention.delete(step)
 
         self._commits.on_commit_thread(self._together.together("delete", remove))
+
+    def delete_directory(self, name: str) -> None:
+        """Delete `name`, a directory of the root that is no committed step (one that
+        SpeechBrain wrote itself, say), as `delete` does a step: after pending commits, under
+        the directory's lock. ValueError if `name` is not one plain entry name, or names cairn's
+        own files or a step cairn or orbax-checkpoint committed (`Retention.delete_directory`)."""
+        self._check_writable("delete_directory")
+        name = check_entry_name(name, self._names)
+
+        def remove() -> None:
+            if self._together.procs.primary:
+                self._retention.delete_directory(name)
+
+        self._commits.on_commit_thread(self._together.together("delete_directory", remove))
 
     def reload(self) -> None:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
@@ -649,6 +651,19 @@ class CheckpointManager:
             )
         if self._commits.closed:
             raise RuntimeError(f"{what}: this manager of {self._where} is closed")
+
+
+def _open_for_writing(storage: Storage, o: Options, reader: Reader) -> None:
+    """The writer (the primary of a writable manager): lock, clean up, save metadata."""
+    storage.acquire()
+    if o.writer_process and storage.for_writer_process() is None:
+        raise ValueError(
+            f"writer='process' cannot commit into {storage.url}: a writer "
+            "process cannot reach this process's memory; use writer='thread'"
+        )
+    storage.clean_leftovers(o.names)
+    if o.metadata is not None:
+        reader.save_root_metadata(o.metadata)
 
 
 @contextlib.contextmanager

@@ -5,11 +5,14 @@ whose trainer died (`cairn.manager._core.writer`)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from cairn.manager._core.catalog import Catalog, apply_retention
 from cairn.manager._core.policies import KeepPolicy
-from cairn.manager._format import Manifest, StepNames
+from cairn.manager._format import Manifest, StepNames, namings
 from cairn.manager._storage.base import Storage
 
 
@@ -60,6 +63,33 @@ class Retention:
         if self._retire:
             self.retired[step] = manifest
         self._catalog.remove(step)
+        if reclaim is not None:
+            self._reclaim(reclaim)
+
+    def delete_directory(self, name: str) -> None:
+        """Delete a directory of the root that is no step of this naming (`check_entry_name`
+        checked the name): ValueError, nothing changed, if it is missing, not a directory (a
+        link included), or a step that cairn or orbax-checkpoint committed under another
+        naming (so a step is never deleted around its own manager's retention)."""
+        for naming, [(step, _)] in namings([name]):
+            listed = self._storage.read_step(naming, step)
+            if listed is not None and (listed.manifest is not None or listed.foreign is not None):
+                who = "cairn" if listed.foreign is None else "orbax-checkpoint"
+                raise ValueError(
+                    f"{name!r} is step {step} that {who} committed (another step naming): "
+                    "delete it with a manager of that naming"
+                )
+        where = self._storage.location(name)
+        if isinstance(
+            where, Path
+        ):  # on POSIX, only a real directory (an object store's is a prefix)
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(where).st_mode)
+            except FileNotFoundError:
+                raise ValueError(f"there is no directory {name!r} in {where.parent}") from None
+            if not is_dir:
+                raise ValueError(f"{where} is not a directory (a link or a file): not deleted")
+        reclaim = self._storage.delete_step(name)
         if reclaim is not None:
             self._reclaim(reclaim)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from cairn.handlers import Handler
 from cairn.manager._core.policies import KeepPolicy, policy_kind
-from cairn.manager._format import item_name_problem
+from cairn.manager._format import ROOT_METADATA, StepNames, item_name_problem
 
 
 def as_step(step: Any, *, argument: str = "step") -> int:
@@ -33,6 +33,30 @@ def as_step(step: Any, *, argument: str = "step") -> int:
     if value >= 2**63:  # an int64, as JAX and T5X steps are; also keeps step names short
         raise ValueError(f"{argument} must be < 2**63, got {value}")
     return value
+
+
+def check_entry_name(name: Any, names: StepNames) -> str:
+    """`name` if it can name a directory of the root that is no step of this naming and none
+    of cairn's own entries (`CheckpointManager.delete_directory`); TypeError/ValueError else."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__qualname__} ({name!r:.100})")
+    if (
+        name in ("", ROOT_METADATA)
+        or name.startswith(".")
+        or any(c in name for c in "/\\\0")
+        or not name.isprintable()
+        or len(name) > 255
+    ):
+        raise ValueError(
+            f"name {name!r:.100} is not a directory delete_directory may delete: one entry of "
+            "the root (no '/' or '\\'), not hidden and not cairn's own"
+        )
+    step = names.parse(name)
+    if step is not None:
+        raise ValueError(f"{name!r} is step {step} of this manager: delete it with delete({step})")
+    if names.is_temporary(name):
+        raise ValueError(f"{name!r} is a save in progress (the next writer removes it)")
+    return name
 
 
 def check_item_name(name: Any) -> str:

@@ -46,13 +46,14 @@ import numpy as np
 
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 from cairn.handlers.io import dtype_from_name, dtype_name, read_no_follow, within
+from cairn.manager._format import StepNames
 
 log = logging.getLogger("cairn")
 
 CHECKPOINT_FILE = "checkpoint"
 MANIFEST = "_CHECKPOINT.json"  # cairn's manifest: a step that has one is cairn's, not T5X's
 VERSIONS = (2, 3)  # T5X writes 3 since 2021; 2 differs only in how bfloat16 went to TensorStore
-_STEP_DIR = re.compile(r"checkpoint_(0|[1-9][0-9]*)")  # T5X's names, as the manager parses them
+NAMES = StepNames("checkpoint")  # T5X's step names, as its checkpointer's manager parses them
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"  # flax splits arrays over 1 GiB into these
 _KVSTORES = ("file", "gfile", "gcs")
@@ -87,9 +88,9 @@ def legacy_steps(root: Path) -> dict[int, Path]:
     except OSError:
         return found
     for entry in entries:
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match and is_legacy_step(Path(entry.path)):
-            found.setdefault(int(match.group(1)), Path(entry.path))
+        step = NAMES.parse(entry.name)
+        if step is not None and is_legacy_step(Path(entry.path)):
+            found.setdefault(step, Path(entry.path))
     return found
 
 
@@ -614,15 +615,15 @@ def t5x_steps(root: Path) -> dict[int, Path]:
     except OSError:
         return found
     for entry in entries:
-        match = _STEP_DIR.fullmatch(entry.name)
-        if not match or int(match.group(1)) in found or not entry.is_dir(follow_symlinks=False):
+        step = NAMES.parse(entry.name)
+        if step is None or step in found or not entry.is_dir(follow_symlinks=False):
             continue
         path = Path(entry.path)
         if os.path.lexists(path / MANIFEST):
             continue
         try:
-            if orbax_step(int(match.group(1)), path) is not None:
-                found[int(match.group(1))] = path
+            if orbax_step(step, path) is not None:
+                found[step] = path
         except OSError:
             continue
     return dict(sorted(found.items()))

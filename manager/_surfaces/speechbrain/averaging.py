@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from cairn.manager._core.manager import CheckpointManager
+from cairn.manager._layouts.speechbrain import CKPT_PREFIX, Checkpoint
 from cairn.manager._surfaces.speechbrain.hooks import _torch_load
-from cairn.manager._surfaces.speechbrain.meta import _STEP_DIR, CKPT_PREFIX, Checkpoint
+from cairn.manager._surfaces.speechbrain.meta import STEP_NAMES
 
 
 def average_state_dicts(state_dicts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -53,11 +54,11 @@ def _default_loader(path: Any, map_location: str = "cpu") -> Any:
     path = pathlib.Path(path)
     if path.is_dir():  # a pytree recoverable of a cairn checkpoint
         root, step_dir = path.parent.parent, path.parent
-        match = _STEP_DIR.fullmatch(step_dir.name)
-        if match is None:
+        step = STEP_NAMES.parse(step_dir.name)
+        if step is None:
             raise ValueError(f"{path} is not a recoverable of a cairn checkpoint")
         with CheckpointManager(root, read_only=True, step_prefix=CKPT_PREFIX) as mgr:
-            return mgr.restore(int(match.group(1)), {path.name: None})[path.name]
+            return mgr.restore(step, {path.name: None})[path.name]
     return _torch_load(path, map_location)
 
 

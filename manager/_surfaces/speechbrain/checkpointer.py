@@ -21,6 +21,16 @@ from cairn.handlers.errors import StepNotFoundError, UnsupportedFormatError
 from cairn.handlers.io import has_state_methods, optional
 from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._format import item_name_problem, trash_name
+from cairn.manager._layouts.speechbrain import (  # SpeechBrain's own directories, read in place
+    CKPT_PREFIX,
+    PARAMFILE_EXT,
+    Checkpoint,
+    _check_paramfile,
+    _checked_meta,
+    _is_speechbrain_dir,
+    _number,
+    _speechbrain_checkpoints,
+)
 from cairn.manager._surfaces.speechbrain.hooks import (
     _assign,
     _check_hooks,
@@ -31,20 +41,10 @@ from cairn.manager._surfaces.speechbrain.hooks import (
 )
 from cairn.manager._surfaces.speechbrain.meta import (
     _META_ITEM,
-    _STEP_DIR,
-    CKPT_PREFIX,
-    PARAMFILE_EXT,
-    Checkpoint,
+    STEP_NAMES,
     _check_meta,
-    _checked_meta,
     _decode_meta,
-    _number,
     ckpt_recency,
-)
-from cairn.manager._surfaces.speechbrain.native import (
-    _check_paramfile,
-    _is_speechbrain_dir,
-    _speechbrain_checkpoints,
 )
 
 log = logging.getLogger("cairn")
@@ -413,8 +413,7 @@ class Checkpointer:
 
     def _step_of(self, checkpoint: Checkpoint) -> int | None:
         path = pathlib.Path(checkpoint.path)
-        match = _STEP_DIR.fullmatch(path.name)
-        return int(match.group(1)) if match and path.parent == self.checkpoints_dir else None
+        return STEP_NAMES.parse(path.name) if path.parent == self.checkpoints_dir else None
 
     # ------------------------------------------------------------------ deleting
 
@@ -466,9 +465,7 @@ class Checkpointer:
         path = pathlib.Path(checkpoint.path)
         if path.parent != self.checkpoints_dir or not _is_speechbrain_dir(path):
             raise RuntimeError("Checkpoint does not appear valid for deletion.")
-        trash = path.parent / trash_name(path.name)
-        os.rename(path, trash)  # gone at once for every reader; then freed
-        shutil.rmtree(trash)
+        self._manager.delete_directory(path.name)  # under the lock, after pending saves
 
     def close(self) -> None:
         """Finish pending saves and release the directory."""

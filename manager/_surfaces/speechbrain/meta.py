@@ -1,35 +1,25 @@
-"""What a SpeechBrain-style checkpoint is: the names (`CKPT_PREFIX`, `METAFNAME`,
-`PARAMFILE_EXT`), `Checkpoint`, `ckpt_recency`, and its meta: checked, encoded as JSON data in
-the manifest and decoded back (`_check_meta`, `_encode_meta`, `_decode_meta`, `_checked_meta`).
+"""cairn's SpeechBrain-style checkpoints: their step names (`STEP_NAMES`), `ckpt_recency`, and
+their meta, checked, encoded as JSON data in the manifest and decoded back (`_check_meta`,
+`_encode_meta`, `_decode_meta`). What any SpeechBrain checkpoint is (`Checkpoint`, the names,
+`_checked_meta`) and SpeechBrain's own directories: `cairn.manager._layouts.speechbrain`.
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import pathlib
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from cairn.handlers import SpeechBrainHandler
-from cairn.handlers.errors import CorruptCheckpointError, MissingDependencyError
+from cairn.handlers.errors import MissingDependencyError
 from cairn.handlers.io import decode_state, encode_state, optional
+from cairn.manager._format import StepNames
+from cairn.manager._layouts.speechbrain import CKPT_PREFIX, Checkpoint
 
-CKPT_PREFIX = "CKPT"
-METAFNAME = f"{CKPT_PREFIX}.yaml"  # the meta file of SpeechBrain's own checkpoints (read only)
-PARAMFILE_EXT = SpeechBrainHandler.paramfile_ext  # ".ckpt"
 _META_ITEM = "CKPT.meta"  # holds the meta of a checkpoint without recoverables
-_STEP_DIR = re.compile(rf"{CKPT_PREFIX}_([0-9]+)")
-
-Checkpoint = collections.namedtuple("Checkpoint", ["path", "meta", "paramfiles"])
-Checkpoint.__doc__ = """One saved checkpoint: `path` (pathlib.Path of its directory), `meta` (a dict;
-"unixtime" and "end-of-epoch" always, plus what was given to save) and `paramfiles` (recoverable
-name -> pathlib.Path of its saved file). Hashed by path, so checkpoints make sets."""
-Checkpoint.__hash__ = lambda self: hash(self[0])  # type: ignore[method-assign]
+STEP_NAMES = StepNames(CKPT_PREFIX)  # cairn's checkpoints: CKPT_0, CKPT_1, ... in save order
 
 
 def ckpt_recency(ckpt: Checkpoint) -> tuple[int, float]:
@@ -39,8 +29,8 @@ def ckpt_recency(ckpt: Checkpoint) -> tuple[int, float]:
     that stepped back, still sort right. SpeechBrain's own checkpoints (no number) sort before
     cairn's, by their "unixtime".
     """
-    match = _STEP_DIR.fullmatch(pathlib.Path(ckpt.path).name)
-    return (int(match.group(1)) if match else -1, float(ckpt.meta["unixtime"]))
+    step = STEP_NAMES.parse(pathlib.Path(ckpt.path).name)
+    return (-1 if step is None else step, float(ckpt.meta["unixtime"]))
 
 
 def _check_meta(meta: Any) -> dict[str, Any]:
@@ -128,34 +118,3 @@ def _decode_meta(value: Any) -> Any:
             return array  # saved where torch was; read here as the NumPy array it holds
         return torch.from_numpy(array)
     return decode_state(value)
-
-
-def _number(value: Any) -> float | None:
-    """A meta value as a number for ranking: a real number that is not NaN (bools count, as in
-    SpeechBrain); None for anything else, an int too large for a float included."""
-    if not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return None if math.isnan(number) else number
-
-
-def _checked_meta(meta: Any) -> dict[str, Any]:
-    """A checkpoint's meta as this API hands it out: a mapping with str keys, a finite number
-    "unixtime" and a bool "end-of-epoch" (every checkpointer writes both); CorruptCheckpointError
-    otherwise."""
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
-        raise CorruptCheckpointError(
-            f"its meta is a {type(meta).__qualname__}, not a mapping with str keys"
-        )
-    unixtime = meta.get("unixtime")
-    number = None if isinstance(unixtime, bool) else _number(unixtime)
-    if number is None or not math.isfinite(number):
-        raise CorruptCheckpointError(f"its meta's unixtime {unixtime!r:.40} is not a time")
-    if not isinstance(meta.get("end-of-epoch"), bool):
-        raise CorruptCheckpointError(
-            f"its meta's end-of-epoch {meta.get('end-of-epoch')!r:.40} is not a bool"
-        )
-    return dict(meta)

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 
 from cairn.handlers.errors import CairnError
-from cairn.handlers.io import read_no_follow
-from cairn.manager._core import takeover
 from cairn.manager._core.manager import CheckpointManager
+from cairn.manager._core.reading import StepInfo
 from cairn.manager._core.validate import as_step
-from cairn.manager._format import MANIFEST, Manifest
+from cairn.manager._format import StepNames, namings
 from cairn.manager._layouts import t5x as legacy  # existing T5X runs: T5X's own layouts
 from cairn.manager._surfaces.t5x.foreign import load_foreign
 from cairn.manager._surfaces.t5x.state import (
@@ -29,8 +28,8 @@ from cairn.manager._surfaces.t5x.state import (
 )
 
 PREFIX = "checkpoint"
+NAMES = StepNames(PREFIX)  # checkpoint_<step>, as every manager here names T5X's steps
 PINNED = "PINNED"  # T5X's checkpoint_utils.pin_checkpoint: a step holding this file is kept
-_STEP_DIR = re.compile(r"checkpoint_([0-9]+)")
 
 
 def get_checkpoint_dir(
@@ -58,32 +57,42 @@ def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
     """``(parent directory, step)`` of a path ``.../checkpoint_<step>`` (T5X's order)."""
     text = os.fspath(checkpoints_dir).rstrip("/")
     parent, name = os.path.split(text)
-    match = _STEP_DIR.fullmatch(name)
-    if match is None:
-        raise ValueError(
-            f"Found improperly formatted checkpoint directory: {checkpoints_dir!s} "
-            "(expected a name checkpoint_<step>)"
-        )
-    return parent, int(match.group(1))
+    for naming, [(step, _)] in namings([name]):  # zero-padded too, as get_checkpoint_dir writes
+        if naming.prefix == PREFIX:
+            return parent, step
+    raise ValueError(
+        f"Found improperly formatted checkpoint directory: {checkpoints_dir!s} "
+        "(expected a name checkpoint_<step>)"
+    )
+
+
+def _cairn_steps(root: Path) -> dict[int, StepInfo]:
+    """The steps a read-only manager lists and can describe, by step (a damaged step is left
+    out, as T5X leaves out a directory without its ``checkpoint`` file; a step T5X wrote has no
+    manifest either). The manager waits for the saves a writer of this process accepted (read
+    your writes: T5X's save is synchronous)."""
+    if not root.is_dir():
+        return {}
+    try:
+        mgr = CheckpointManager(root, read_only=True, step_prefix=PREFIX)
+    except ValueError:  # steps under another naming only: none of T5X's names
+        return {}
+    found = {}
+    with mgr:
+        for step in mgr.all_steps():
+            with contextlib.suppress(CairnError):
+                found[step] = mgr.info(step)
+    return found
 
 
 def _committed(checkpoints_dir: PathLike) -> dict[int, Path]:
-    """Committed step directories (named checkpoint_<digits>, holding a manifest) by step."""
+    """Committed step directories by step: cairn's (`_cairn_steps`), then those a T5X job
+    wrote (`cairn.manager._layouts.t5x`)."""
     root = Path(os.fspath(checkpoints_dir))
-    takeover.settle_writer(os.path.realpath(root))  # read your writes: T5X's save is synchronous
-    found: dict[int, Path] = {}
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return found
-    for entry in entries:
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
-            found.setdefault(int(match.group(1)), Path(entry.path))
-    # existing T5X runs (manager/_layouts/t5x.py): steps T5X wrote count too, read-only
+    found = {step: root / NAMES.format(step) for step in _cairn_steps(root)}
     for step, step_dir in legacy.t5x_steps(root).items():
         found.setdefault(step, step_dir)
-    return found
+    return dict(sorted(found.items()))
 
 
 def all_steps(checkpoints_dir: PathLike) -> list[int]:
@@ -99,20 +108,16 @@ def latest_step(checkpoints_dir: PathLike) -> int | None:
 
 def all_dataset_checkpoint_steps(checkpoints_dir: PathLike) -> list[int]:
     """Committed steps that still hold the dataset iterator (not dropped by retention)."""
-    steps = []
-    for step, path in sorted(_committed(checkpoints_dir).items()):
-        if not os.path.lexists(path / MANIFEST):  # a step T5X wrote: its train_ds-* files
-            if legacy.has_dataset(path):
-                steps.append(step)
-            continue
-        try:
-            manifest = Manifest.from_bytes(read_no_follow(path / MANIFEST), str(path / MANIFEST))
-        except (OSError, CairnError):
-            continue
-        entry = manifest.items.get(DATASET)
-        if entry is not None and not entry.dropped:
+    root = Path(os.fspath(checkpoints_dir))
+    steps = [
+        step
+        for step, info in _cairn_steps(root).items()
+        if (entry := info.items.get(DATASET)) is not None and not entry.dropped
+    ]
+    for step, path in legacy.t5x_steps(root).items():  # a step T5X wrote: its train_ds-* files
+        if step not in steps and legacy.has_dataset(path):
             steps.append(step)
-    return steps
+    return sorted(steps)
 
 
 def find_checkpoint(path: PathLike, step: int | None = None) -> str:
@@ -124,16 +129,16 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> str:
     text = os.fspath(path)
     candidate = Path(text)
     if candidate.is_dir():
-        if _STEP_DIR.fullmatch(candidate.name) and step is None:
-            takeover.settle_writer(os.path.realpath(candidate.parent))  # read your writes
-            # a checkpoint directory itself
-        else:
-            if step is None:
-                step = latest_step(candidate)
-                if step is None:
-                    raise ValueError(f"Path is not a valid checkpoint: {text} (no checkpoints)")
-            found = _committed(candidate).get(as_step(step))
-            candidate = found if found is not None else Path(get_checkpoint_dir(candidate, step))
+        root = candidate
+        if step is None and NAMES.parse(candidate.name) is not None:  # a checkpoint directory
+            root, step = candidate.parent, NAMES.parse(candidate.name)
+        committed = _committed(root)
+        if step is None:
+            if not committed:
+                raise ValueError(f"Path is not a valid checkpoint: {text} (no checkpoints)")
+            step = max(committed)
+        found = committed.get(as_step(step))
+        candidate = found if found is not None else Path(get_checkpoint_dir(root, step))
         candidate = candidate / legacy.checkpoint_file(candidate)  # T5X's: its `checkpoint`
     if not candidate.is_file() or candidate.name != legacy.checkpoint_file(candidate.parent):
         raise ValueError(f"Path is not a valid checkpoint: {candidate}")

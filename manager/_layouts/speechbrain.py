@@ -1,27 +1,66 @@
-"""Checkpoints written by SpeechBrain itself (``CKPT+*/CKPT.yaml``), read as untrusted input:
-no link followed, the meta parsed as plain YAML data, paramfiles regular files inside the
-directory; one that is not is skipped with a warning.
+"""SpeechBrain's checkpoints (`Checkpoint`, the names, the meta every checkpointer writes) and
+the directories SpeechBrain itself wrote (``CKPT+*/CKPT.yaml``), read in place as untrusted
+input: no link followed, the meta parsed as plain YAML data, paramfiles regular files inside the
+directory; one that is not is skipped with a warning. Deleting one is the manager's
+(`CheckpointManager.delete_directory`), under the directory's lock.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import os
 import pathlib
 import stat
 from typing import Any
 
+from cairn.handlers import SpeechBrainHandler
 from cairn.handlers.errors import CorruptCheckpointError, MissingDependencyError
 from cairn.handlers.io import open_regular
-from cairn.manager._surfaces.speechbrain.meta import (
-    CKPT_PREFIX,
-    METAFNAME,
-    PARAMFILE_EXT,
-    Checkpoint,
-    _checked_meta,
-)
 
 log = logging.getLogger("cairn")
+
+CKPT_PREFIX = "CKPT"
+METAFNAME = f"{CKPT_PREFIX}.yaml"  # the meta file of SpeechBrain's own checkpoints (read only)
+PARAMFILE_EXT = SpeechBrainHandler.paramfile_ext  # ".ckpt"
+
+Checkpoint = collections.namedtuple("Checkpoint", ["path", "meta", "paramfiles"])
+Checkpoint.__doc__ = """One saved checkpoint: `path` (pathlib.Path of its directory), `meta` (a dict;
+"unixtime" and "end-of-epoch" always, plus what was given to save) and `paramfiles` (recoverable
+name -> pathlib.Path of its saved file). Hashed by path, so checkpoints make sets."""
+Checkpoint.__hash__ = lambda self: hash(self[0])  # type: ignore[method-assign]
+
+
+def _number(value: Any) -> float | None:
+    """A meta value as a number for ranking: a real number that is not NaN (bools count, as in
+    SpeechBrain); None for anything else, an int too large for a float included."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(number) else number
+
+
+def _checked_meta(meta: Any) -> dict[str, Any]:
+    """A checkpoint's meta as this API hands it out: a mapping with str keys, a finite number
+    "unixtime" and a bool "end-of-epoch" (every checkpointer writes both); CorruptCheckpointError
+    otherwise."""
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise CorruptCheckpointError(
+            f"its meta is a {type(meta).__qualname__}, not a mapping with str keys"
+        )
+    unixtime = meta.get("unixtime")
+    number = None if isinstance(unixtime, bool) else _number(unixtime)
+    if number is None or not math.isfinite(number):
+        raise CorruptCheckpointError(f"its meta's unixtime {unixtime!r:.40} is not a time")
+    if not isinstance(meta.get("end-of-epoch"), bool):
+        raise CorruptCheckpointError(
+            f"its meta's end-of-epoch {meta.get('end-of-epoch')!r:.40} is not a bool"
+        )
+    return dict(meta)
 
 
 _META_LIMIT = 256 << 10  # bytes of a SpeechBrain CKPT.yaml (a few lines in practice)
