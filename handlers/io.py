@@ -1,11 +1,12 @@
-"""The file toolkit of cairn.handlers, for handlers and for the storages of cairn.manager.
+"""What cairn.manager needs of cairn.handlers beyond its public names (the protocol and a
+handler's own toolkit, `Destination`, `Source`, `StoredItem`, `ChecksummedFile`, `write_file`,
+..., are `cairn.handlers`'s), and nothing else: test_layers checks that the manager uses each.
 
-Writing: `Destination` (what a write phase writes through), `LocalDestination`, `write_file`,
-`ChecksummedFile`, `content_hash`. Reading: `Source`, `LocalSource`, `StoredItem`,
-`parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError),
-`chunks_by_pack` (what a packed item's indexes say each pack holds, for ``verify``). Names read from
-a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
-processes: `lower_thread_priority`, `writing_as`, `writing_process`. Durability: `fsync_dir`, `fsync_path`.
+Reading: `parse_json` (JSON from a checkpoint, every failure a CorruptCheckpointError),
+`chunks_by_pack` (what a packed item's indexes say each pack holds, for ``verify``). Names read
+from a checkpoint: `check_relative`, `within`, `open_regular`, `read_no_follow`. Threads and
+processes: `lower_thread_priority`, `BACKGROUND_NICE`. Durability: `fsync_dir`,
+`fsync_path`.
 Saving cheaply: `StagingPool` and `staging_for` (the host buffers snapshots copy arrays into,
 kept across saves), `WriteBudget` (``max_write_bytes_per_s``), `KnownFiles` (what incremental
 saves know of files written before), `RangeHashes` (a file's content hash and its `Ranges`', on
@@ -21,33 +22,18 @@ them (nothing, or the handler's own value, where a snapshot or handler lacks one
 
 from cairn.handlers._files import (
     BACKGROUND_NICE,
-    CONTENT_HASH,
-    BufferedFile,
-    ChecksummedFile,
-    Destination,
-    FileRecord,
     KnownFiles,
-    LocalDestination,
-    LocalSource,
     RangeHashes,
     Ranges,
-    Source,
-    StoredItem,
     WriteBudget,
-    as_destination,
     check_relative,
-    content_hash,
     fsync_dir,
     fsync_path,
-    hash_file,
     lower_thread_priority,
     open_regular,
     parse_json,
     read_no_follow,
     within,
-    write_file,
-    writing_as,
-    writing_process,
 )
 from cairn.handlers._iterators import decode_state, encode_state, has_state_methods
 from cairn.handlers._optional import optional
@@ -67,28 +53,17 @@ from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
     "BACKGROUND_NICE",
-    "CONTENT_HASH",
     "ORBAX_COMMIT_SUCCESS",
     "ORBAX_STEP_METADATA",
-    "BufferedFile",
-    "ChecksummedFile",
-    "Destination",
-    "FileRecord",
     "KnownFiles",
-    "LocalDestination",
-    "LocalSource",
     "RangeHashes",
     "Ranges",
     "Slab",
-    "Source",
     "StagingPool",
-    "StoredItem",
     "WriteBudget",
-    "as_destination",
     "check_item",
     "check_relative",
     "chunks_by_pack",
-    "content_hash",
     "decode_state",
     "dtype_from_name",
     "dtype_name",
@@ -96,7 +71,6 @@ __all__ = [
     "fsync_dir",
     "fsync_path",
     "has_state_methods",
-    "hash_file",
     "lower_thread_priority",
     "open_regular",
     "optional",
@@ -109,7 +83,4 @@ __all__ = [
     "snapshot_version",
     "staging_for",
     "within",
-    "write_file",
-    "writing_as",
-    "writing_process",
 ]

@@ -188,3 +188,20 @@ def test_checkpoint_manager_size() -> None:
 
 
 MANAGER_LINES, MANAGER_METHODS = 600, 30
+
+
+def test_handlers_io_holds_what_the_manager_uses() -> None:
+    """`cairn.handlers.io` is the manager's door into the handlers' private modules: each name
+    it publishes is imported from it by some module of `cairn.manager`, and none is also a
+    public name of `cairn.handlers` (the manager takes those from there)."""
+    import cairn.handlers
+    import cairn.handlers.io
+
+    used: set[str] = set()
+    for path in (ROOT / "manager").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "cairn.handlers.io":
+                used |= {alias.name for alias in node.names}
+    published = set(cairn.handlers.io.__all__)
+    assert published - used == set(), "unused by the manager"
+    assert published & set(cairn.handlers.__all__) == set(), "public in cairn.handlers"

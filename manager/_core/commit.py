@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cairn.handlers import Destination, FileRecord, Handler, Snapshot
-from cairn.handlers.io import WriteBudget, snapshot_version, writing_as
+from cairn.handlers import Destination, FileRecord, Handler, Snapshot, writing_as
+from cairn.handlers.io import WriteBudget, snapshot_version
 from cairn.manager._core.multihost import SINGLE, Meetings
 from cairn.manager._format import ItemEntry, Manifest, StepNames
 from cairn.manager._storage.base import Storage

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers import Handler, StoredItem, handler_by_id
+from cairn.handlers import Handler, StoredItem, handler_by_id, writing_as
 from cairn.handlers.errors import (
     CorruptCheckpointError,
     ItemNotFoundError,
@@ -22,7 +22,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import check_item, chunks_by_pack, parse_json, writing_as
+from cairn.handlers.io import check_item, chunks_by_pack, parse_json
 from cairn.manager._core.catalog import Catalog, StepRecord, read_record
 from cairn.manager._core.multihost import Processes
 from cairn.manager._core.telemetry import Telemetry

@@ -560,7 +560,7 @@ def restore_dataset(step_dir: Path, iterator: Any, step: int) -> Any:
     """T5X's legacy dataset checkpoint (``train_ds-<shard>-of-<n>``, a tf.train.Checkpoint of the
     iterator) read into `iterator` in place; this process's shard, or the only one there is.
     Its files must be regular files (TensorFlow follows links)."""
-    from cairn.handlers.io import writing_process
+    from cairn.handlers import writing_process
 
     shards: dict[tuple[int, int], str] = {}
     try:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cairn.handlers import FileRecord, LocalDestination, LocalSource, StoredItem
+from cairn.handlers import ChecksummedFile, FileRecord, LocalDestination, LocalSource, StoredItem
+from cairn.handlers._files import content_hash
 from cairn.handlers.errors import CorruptCheckpointError
-from cairn.handlers.io import ChecksummedFile, content_hash
 
 
 def test_records_must_be_what_was_written(tmp_path: Path) -> None:

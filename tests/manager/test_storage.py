@@ -41,7 +41,7 @@ from cairn.handlers import (
     StoredItem,
     TrainStateHandler,
 )
-from cairn.handlers.io import content_hash
+from cairn.handlers._files import content_hash
 from cairn.manager import (
     CheckpointManager,
     CorruptCheckpointError,
