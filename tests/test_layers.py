@@ -142,6 +142,13 @@ def test_handlers_never_import_manager() -> None:
             assert not [t for t in targets if t.startswith("cairn.manager")], module
 
 
+def test_surfaces_never_touch_the_storage() -> None:
+    """The surfaces list, read and delete steps through a manager (and `_layouts`)."""
+    for module, targets in graph().items():
+        if module.startswith("cairn.manager._surfaces"):
+            assert not [t for t in targets if t.startswith("cairn.manager._storage")], module
+
+
 def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     """The checker itself: a cycle through an import inside a function, an upward arrow and a
     relative import are found."""
