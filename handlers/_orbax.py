@@ -25,7 +25,7 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "check_tree",
     "orbax_item_kind",
     "orbax_items",
+    "orbax_listing_kind",
     "read_metadata",
 ]
 
@@ -67,6 +68,13 @@ def orbax_item_kind(path: Path) -> str | None:
             is_dir = {e.name: e.is_dir(follow_symlinks=False) for e in it}
     except OSError:  # not a directory, gone, unreadable: not an item cairn can read
         return None
+    return orbax_listing_kind(is_dir)
+
+
+def orbax_listing_kind(is_dir: Mapping[str, bool]) -> str | None:
+    """The handler id for an Orbax item whose directory lists `is_dir` (each entry's name ->
+    whether it is a real directory), or None if it is not one cairn reads. Pure: the listing
+    may come from a local directory or from an object store's keys."""
     if any(mark in is_dir for mark in _PYTREE_MARKS):
         return OrbaxPyTreeHandler.id
     has_index = any(n.endswith(".index") for n in is_dir)
@@ -131,7 +139,7 @@ class _ReadOnly:
         )
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
-        return {"kind": self.id, "path": str(stored.directory)}
+        return {"kind": self.id, "path": _place(stored)}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -195,8 +203,22 @@ def _orbax_finishes_its_reads() -> Iterator[None]:
                 setattr(target, name, _patched_out)
 
 
+def _place(stored: StoredItem) -> str:
+    """Where the item is (a path, or a URL on an object store), without a download."""
+    return stored.source.describe("").rstrip("/") or "."
+
+
 def _where(stored: StoredItem) -> str:
-    return f"step {stored.step}, item {stored.name!r} (Orbax, {stored.directory})"
+    return f"step {stored.step}, item {stored.name!r} (Orbax, {_place(stored)})"
+
+
+def _local(stored: StoredItem) -> Path:
+    """The item's local directory: its own on disk; on an object store a private download of
+    its objects, which the manager removes after the restore (`Source.release`)."""
+    try:
+        return stored.directory
+    except (CorruptCheckpointError, OSError) as e:
+        raise CorruptCheckpointError(f"step {stored.step}, item {stored.name!r}: {e}") from None
 
 
 class OrbaxPyTreeHandler(_ReadOnly):
@@ -212,11 +234,12 @@ class OrbaxPyTreeHandler(_ReadOnly):
         ocp = optional("orbax.checkpoint", feature="reading a step orbax-checkpoint wrote")
 
         where = _where(stored)
-        check_tree(stored.directory, where)
+        directory = _local(stored)
+        check_tree(directory, where)
         checkpointer = ocp.PyTreeCheckpointer()
         try:
             with _orbax_finishes_its_reads():
-                return self._restore(ocp, checkpointer, stored, target)
+                return self._restore(ocp, checkpointer, stored, directory, target)
         except CorruptCheckpointError:
             raise
         except FileNotFoundError as e:
@@ -232,27 +255,27 @@ class OrbaxPyTreeHandler(_ReadOnly):
             ) from e
 
     @staticmethod
-    def _restore(ocp: Any, checkpointer: Any, stored: StoredItem, target: Any) -> Any:
+    def _restore(
+        ocp: Any, checkpointer: Any, stored: StoredItem, directory: Path, target: Any
+    ) -> Any:
         if target is not None:
             restore_args = ocp.checkpoint_utils.construct_restore_args(target)
             return checkpointer.restore(
-                stored.directory,
+                directory,
                 args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
             )
         # NumPy arrays: no saved sharding needed, any topology
         jax = optional("jax", feature="reading a step orbax-checkpoint wrote")
         import numpy as np
 
-        meta = checkpointer.metadata(stored.directory).item_metadata
+        meta = checkpointer.metadata(directory).item_metadata
         if meta is None:  # orbax logs why and returns None
             raise CorruptCheckpointError(
                 f"{_where(stored)}: orbax could not read its metadata (its _METADATA file or "
                 "the metadata of one of its arrays)"
             )
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta.tree)
-        return checkpointer.restore(
-            stored.directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy)
-        )
+        return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
 class OrbaxJsonHandler(_ReadOnly):
@@ -263,8 +286,9 @@ class OrbaxJsonHandler(_ReadOnly):
     def restore(self, stored: StoredItem, target: Any = None) -> Any:
         del target
         where = _where(stored)
-        check_tree(stored.directory, where)
-        path = stored.directory / "metadata"
+        directory = _local(stored)
+        check_tree(directory, where)
+        path = directory / "metadata"
         try:
             data = read_no_follow(path)
         except OSError as e:
@@ -290,8 +314,8 @@ class OrbaxDatasetHandler(_ReadOnly):
         tf = optional("tensorflow", feature="a tf.data iterator item orbax-checkpoint wrote")
 
         where = _where(stored)
-        check_tree(stored.directory, where)
-        directory = stored.directory
+        directory = _local(stored)
+        check_tree(directory, where)
         index, count = writing_process()
         if count > 1:
             directory = directory / f"process_{index}-of-{count}"

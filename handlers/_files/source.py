@@ -90,6 +90,11 @@ class Source(abc.ABC):
         """A local directory holding (at least) `relpaths`: the item's own on disk, a
         download of them for an object store (unverified; check what is read)."""
 
+    def release(self) -> None:
+        """Free what `local_directory` made for this source (a download), once the restore that
+        used it is done; nothing by default. The manager calls it after each item's restore."""
+        return
+
 
 class LocalSource(Source):
     """An item's directory on a local filesystem. No symbolic link is followed, from the item

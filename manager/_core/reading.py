@@ -270,13 +270,17 @@ class Reader:
                 raise CorruptCheckpointError(
                     f"step {step}, item {name!r}: {e.filename or e} is missing"
                 ) from None
+            finally:
+                stored.source.release()  # a foreign item's download, on an object store
         return restored
 
     def _stored(self, step: int, name: str, manifest: Manifest) -> StoredItem:
         """Item `name` of a step, as its handler reads it: its files, from the storage."""
         files = {f.path: f for f in manifest.items[name].files}
-        source = self._storage.source(self._names.format(step), name)
-        return StoredItem(source, files, step, name)
+        stepname = self._names.format(step)
+        if self._catalog.is_foreign(step):  # read in place (a download on object stores)
+            return StoredItem(self._storage.foreign_source(stepname, name), files, step, name)
+        return StoredItem(self._storage.source(stepname, name), files, step, name)
 
     def _reread_manifest(self, step: int, used: Manifest, items: Iterable[str]) -> bool:
         """Read a step's manifest from disk again after reading `items` with `used`: True if

@@ -1,20 +1,19 @@
-"""Steps that orbax-checkpoint wrote, found in a cairn directory: read-only manifests for them."""
+"""Steps that orbax-checkpoint wrote, found in a cairn directory: read-only manifests for them.
+
+Read through a `StepView` (`_layouts.base`), so one implementation serves every storage: a
+local directory and an object store's keys alike.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import stat
-from pathlib import Path
 from typing import Any
 
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.handlers.io import ORBAX_COMMIT_SUCCESS as COMMIT_SUCCESS
 from cairn.handlers.io import ORBAX_STEP_METADATA as STEP_METADATA
-from cairn.handlers.io import orbax_items, parse_json
-from cairn.handlers.io import read_orbax_metadata as read_metadata
+from cairn.handlers.io import orbax_listing_kind, parse_json
 from cairn.manager._format import (
     ItemEntry,
     Manifest,
@@ -22,32 +21,43 @@ from cairn.manager._format import (
     check_metrics,
     item_name_problem,
 )
+from cairn.manager._layouts.base import StepView
 
 log = logging.getLogger("cairn")
 
 
-def orbax_step(step: int, path: Path) -> Manifest | None:
+def orbax_step(step: int, view: StepView) -> Manifest | None:
     """A read-only manifest for a step directory orbax-checkpoint wrote, or None if it is not one.
 
     Orbax marks a finished step with ``commit_success.txt`` and describes it in
-    ``_CHECKPOINT_METADATA`` (item handlers, metrics, times); older versions only renamed it
-    into place, so a directory whose items Orbax would read counts too.
+    ``_CHECKPOINT_METADATA`` (item handlers, metrics, times). On a filesystem, where Orbax (and
+    its older versions, which only renamed a step into place) commits with a rename, a directory
+    whose items Orbax would read counts too; on an object store, where Orbax writes under the
+    step's final name, only ``commit_success.txt`` or the commit time Orbax's finalize writes
+    into ``_CHECKPOINT_METADATA`` does, so a save in progress there is no step.
 
     The directory is a stranger's: no link in it is followed, an item directory whose name a
-    save would refuse is left out, and metadata that cannot be read or has the wrong types is
-    ignored, field by field, with a warning, so one odd Orbax step never hides the others.
+    save would refuse is left out, and metadata that cannot be read, is too long or has the
+    wrong types is ignored, field by field, with a warning, so one odd Orbax step never hides
+    the others.
     """
-    where = f"Orbax step {step} at {path}"
+    where = f"Orbax step {step} at {view.where}"
     try:
-        found = orbax_items(path)
-        mtime = os.lstat(path).st_mtime
+        top = view.entries()
+        mtime = view.mtime()
     except FileNotFoundError:
         raise  # deleted while listed
     except OSError as e:
         log.warning("cairn: ignoring %s: it cannot be listed: %s", where, e)
         return None
     items = {}
-    for name, kind in found.items():
+    for name in sorted(n for n, is_dir in top.items() if is_dir):
+        try:
+            kind = orbax_listing_kind(view.entries(name))
+        except (OSError, CorruptCheckpointError):  # gone, unreadable: not an item cairn reads
+            continue
+        if kind is None:
+            continue
         problem = item_name_problem(name)
         if problem is None:
             items[name] = ItemEntry(kind, 1, ())
@@ -57,7 +67,7 @@ def orbax_step(step: int, path: Path) -> Manifest | None:
     def read_object(relpath: str) -> dict[str, Any]:
         """The JSON object in `relpath`; {} if missing, unreadable or not an object."""
         try:
-            obj = parse_json(read_metadata(path, relpath), str(path / relpath))
+            obj = parse_json(view.read(relpath), f"{view.where}/{relpath}")
         except FileNotFoundError:
             return {}
         except (OSError, CorruptCheckpointError) as e:
@@ -69,10 +79,13 @@ def orbax_step(step: int, path: Path) -> Manifest | None:
         return obj
 
     meta = read_object(STEP_METADATA)
-    marked = bool(meta)
-    with contextlib.suppress(OSError):  # commit_success.txt: a regular file, not a link to one
-        marked = marked or stat.S_ISREG(os.lstat(path / COMMIT_SUCCESS).st_mode)
-    if not items or not (marked or any(e.handler == "orbax.pytree" for e in items.values())):
+    # commit_success.txt: a regular file, not a link to one
+    if view.renames:
+        marked = bool(meta) or view.is_file(COMMIT_SUCCESS)
+        done = marked or any(e.handler == "orbax.pytree" for e in items.values())
+    else:  # written in place: only the commit says it is whole
+        done = "commit_timestamp_nsecs" in meta or view.is_file(COMMIT_SUCCESS)
+    if not items or not done:
         return None
     raw = meta.get("metrics")
     if not isinstance(raw, dict):
@@ -94,13 +107,14 @@ def orbax_step(step: int, path: Path) -> Manifest | None:
         log.warning("cairn: %s: ignoring metrics that are not finite numbers: %s", where, ignored)
 
     def seconds(key: str) -> float:
-        """A timestamp in nanoseconds as seconds; the directory's mtime if absent or odd."""
+        """A timestamp in nanoseconds as seconds; the directory's mtime if absent or odd (0
+        where the store keeps no times)."""
         value = meta.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
             return value / 1e9
         if value is not None:
             log.warning("cairn: %s: ignoring %s %.40r (not an int of ns)", where, key, value)
-        return mtime
+        return 0.0 if mtime is None else mtime
 
     try:
         custom = check_metadata(meta.get("custom_metadata") or {})
@@ -115,3 +129,12 @@ def orbax_step(step: int, path: Path) -> Manifest | None:
         metrics=metrics,
         metadata={"format": "orbax", "custom_metadata": custom},
     )
+
+
+class OrbaxLayout:
+    """orbax-checkpoint's steps (`orbax_step`), as a `Layout`."""
+
+    name = "orbax-checkpoint"
+
+    def read(self, step: int, view: StepView) -> Manifest | None:
+        return orbax_step(step, view)

@@ -1,5 +1,9 @@
 """Steps a T5X job already wrote, read in place and never changed (cairn.manager.t5x uses it).
 
+Local directories only: T5X's legacy layout is read from a POSIX path (its arrays through
+TensorStore's ``file`` kvstore), not through the `base.StepView` that object stores provide, so
+a T5X legacy step in a bucket is not found (a T5X step in Orbax's layout is, as any Orbax step).
+
 T5X's own ("legacy") layout, as ``t5x/checkpoints.py`` writes it::
 
     checkpoint_<step>/                  committed by renaming checkpoint_<step>.tmp-<time>
@@ -607,6 +611,7 @@ def restore_dataset(step_dir: Path, iterator: Any, step: int) -> Any:
 def t5x_steps(root: Path) -> dict[int, Path]:
     """Steps a T5X job wrote in `root`, in either of its layouts, by step: its legacy layout and
     its Orbax layout (``checkpoint_<step>`` directories orbax-checkpoint committed)."""
+    from cairn.manager._layouts.base import LocalStepView
     from cairn.manager._layouts.orbax import orbax_step
 
     found = legacy_steps(root)
@@ -622,7 +627,7 @@ def t5x_steps(root: Path) -> dict[int, Path]:
         if os.path.lexists(path / MANIFEST):
             continue
         try:
-            if orbax_step(step, path) is not None:
+            if orbax_step(step, LocalStepView(path)) is not None:
                 found[step] = path
         except OSError:
             continue

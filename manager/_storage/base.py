@@ -158,6 +158,13 @@ class StepStore(Protocol):
         """Where a restore reads `item` of step `name` from."""
         ...
 
+    def foreign_source(self, name: str, item: str) -> Source:
+        """Where a restore reads `item` of the foreign step `name` (one a `_layouts` layout
+        read: its manifest lists no files) from: its directory in place on POSIX; on an object
+        store, a source whose `local_directory` downloads every object under the item's prefix
+        into a private local directory, which its `release` removes."""
+        ...
+
     def close(self) -> None:
         """Free local resources (staging and download directories); not the lock."""
         ...

@@ -356,6 +356,20 @@ class ObjectStore:
         found = self._result(self._kv.list(self._ts.KvStore.KeyRange(start, stop)))
         return sorted(k.decode() for k in found)
 
+    def read_chunk(self, key: str, offset: int, size: int) -> bytes | None:
+        """At most `size` bytes of an object from `offset`, fewer where it ends before (none at
+        its end), or None if it does not exist: one ranged GET, two near the end (a range past
+        the end is refused, and the kvstore API has no HEAD to learn the size first)."""
+        try:
+            result = self._kv.read(key, byte_range=slice(offset, offset + size)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            result = self._kv.read(key, byte_range=slice(offset, None)).result()
+        if result.state != "value":
+            return None
+        return bytes(result.value)
+
     def read_prefix(self, key: str, size: int, offset: int = 0) -> bytes | None:
         """The `size` bytes of an object from `offset` (the first ones by default; one ranged
         GET), or None if it does not exist; ValueError if it is shorter."""

@@ -19,9 +19,11 @@ files of a handler that writes through a path (`Destination.local_directory`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -47,6 +49,8 @@ from cairn.manager._format import (
     check_sync_name,
     namings,
 )
+from cairn.manager._layouts.base import MAX_READ, plain_parts, too_long
+from cairn.manager._layouts.registry import read_foreign
 from cairn.manager._storage.base import Listed, Reclaim
 from cairn.manager._storage.kvstore import ObjectStore, StorageOptions, _successor
 from cairn.manager._storage.lease import Lease
@@ -169,8 +173,8 @@ class KvStorage:
     lists_cheaply = False
 
     def other_naming(self, names: StepNames) -> tuple[StepNames, str] | None:
-        """cairn's steps under another naming (one LIST); Orbax steps are not looked for:
-        cairn reads them in place on local filesystems only."""
+        """Steps under another naming (one LIST, then the metadata of a few prefixes): cairn's,
+        or a foreign layout's (Orbax's), as on POSIX."""
         heads: dict[str, set[str]] = {}
         for key in self.store.list_keys():
             head, sep, rest = key.partition("/")
@@ -179,8 +183,13 @@ class KvStorage:
         if any(names.parse(head) is not None for head in heads):
             return None
         for naming, steps in namings(heads):
-            if any(MANIFEST in heads[name] for _, name in steps[:3]):
-                return naming, "cairn"
+            for step, name in steps[:3]:  # a few are enough to tell
+                if MANIFEST in heads[name]:
+                    return naming, "cairn"
+                if CLAIM not in heads[name]:
+                    found = read_foreign(step, _KvStepView(self, name, heads[name]))
+                    if found is not None:
+                        return naming, found[0]
         return None
 
     def scan(self, names: StepNames) -> list[Listed]:
@@ -224,9 +233,14 @@ class KvStorage:
             data = next(read) if MANIFEST in rests else None
             if data is None or data.startswith(_CLAIM_TAG):
                 # Only a prefix cairn claimed is a leftover of cairn's: anything else there (say,
-                # an Orbax step) is not ours to delete, and not a step we can read.
+                # an Orbax step) is not ours to delete; a foreign layout's step is read in place.
                 if MANIFEST in rests or CLAIM in rests:
                     found.append((None, name, CLAIM in rests))
+                    continue
+                foreign = read_foreign(step, _KvStepView(self, name, rests))
+                if foreign is not None:
+                    listed = Listed(step, self.location(name), foreign=foreign[1])
+                    found.append((listed, name, False))
                 continue
             listed = Listed(step, self.location(name), data, metrics=metrics.get(name))
             found.append((listed, name, CLAIM in rests))
@@ -236,12 +250,29 @@ class KvStorage:
         name = names.format(step)
         manifest = read_manifest(self.store, name)
         if manifest is None:
-            return None
+            return self._read_foreign(step, name)
         metrics = self.store.read(f"{name}/{METRICS}")
         return Listed(step, self.location(name), manifest, metrics=metrics)
 
+    def _read_foreign(self, step: int, name: str) -> Listed | None:
+        """A prefix without a manifest, as `_scan` reads it: a foreign layout's step, or None
+        (nothing there, a claim of cairn's, or no layout reads it)."""
+        prefix = f"{name}/"
+        rests = {key[len(prefix) :] for key in self.store.list_keys(prefix)}
+        if not rests or MANIFEST in rests or CLAIM in rests:
+            return None
+        foreign = read_foreign(step, _KvStepView(self, name, rests))
+        if foreign is None:
+            return None
+        return Listed(step, self.location(name), foreign=foreign[1])
+
     def source(self, name: str, item: str) -> Source:
         return _KvSource(self, f"{name}/{item}/")
+
+    def foreign_source(self, name: str, item: str) -> Source:
+        """A foreign step's item: downloaded whole on first `local_directory` (see
+        `_KvForeignSource`), removed at `release`."""
+        return _KvForeignSource(self, name, item)
 
     # ------------------------------------------------------------------ writing
 
@@ -532,3 +563,158 @@ class _KvSource(Source):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
         return local
+
+
+class _KvStepView:
+    """A step prefix of an object store as a `StepView` of `_layouts.base`: its listing (the
+    keys under the prefix, relative to it, taken once by the caller) and reads of its small
+    objects. A key segment that is empty, ``.`` or ``..`` names no entry."""
+
+    renames = False  # Orbax writes a step in place on object stores: its commit mark counts
+
+    def __init__(self, storage: KvStorage, name: str, rests: Iterable[str]) -> None:
+        self._store, self._name = storage.store, name
+        self._rests = frozenset(rests)
+        self.where = storage.location(name)
+
+    def __repr__(self) -> str:
+        return f"_KvStepView({self.where!r})"
+
+    def entries(self, relpath: str = "") -> dict[str, bool]:
+        if relpath and plain_parts(relpath) is None:
+            raise NotADirectoryError(f"{self.where}: {relpath!r:.200} is not a relative path")
+        prefix = f"{relpath}/" if relpath else ""
+        found: dict[str, bool] = {}
+        for rest in self._rests:
+            if rest.startswith(prefix):
+                head, sep, _ = rest[len(prefix) :].partition("/")
+                if head not in ("", ".", ".."):
+                    found[head] = found.get(head, False) or bool(sep)
+        if relpath and not found:
+            raise FileNotFoundError(f"{self.where}/{relpath}")
+        return found
+
+    def is_file(self, relpath: str) -> bool:
+        return relpath in self._rests and plain_parts(relpath) is not None
+
+    def read(self, relpath: str, limit: int = MAX_READ) -> bytes:
+        if not self.is_file(relpath):
+            raise FileNotFoundError(f"{self.where}/{relpath}")
+        data = self._store.read_chunk(f"{self._name}/{relpath}", 0, limit + 1)
+        if data is None:
+            raise FileNotFoundError(f"{self.where}/{relpath}")
+        if len(data) > limit:
+            raise too_long(f"{self.where}/{relpath}", limit)
+        return data
+
+    def mtime(self) -> float | None:
+        return None  # a listing carries no times
+
+
+class _KvForeignSource(Source):
+    """An item of a foreign step (Orbax's) in the store, for handlers that read through a
+    library that wants a local directory (orbax-checkpoint, TensorFlow): `local_directory`
+    downloads every object under the item's prefix, once, into a private directory that
+    `release` removes (and `KvStorage.close`, should a restore not release it).
+
+    The keys are a stranger's: every one must be a relative path of plain names
+    (`check_relative`: no ``.``, ``..``, empty parts or control characters; a request for a key
+    with dot segments would reach outside the directory) and no key may be both a file and the
+    directory of another, or nothing is downloaded (CorruptCheckpointError naming the key).
+    Objects stream to disk `CHUNK` bytes at a time, `THREADS` objects at once; the files are
+    created new (``O_EXCL``) inside the private directory only.
+    """
+
+    cheap_size = False
+    CHUNK = 16 << 20
+    THREADS = 8
+
+    def __init__(self, storage: KvStorage, name: str, item: str) -> None:
+        self._storage, self._item = storage, item
+        self._prefix = f"{name}/{item}/"
+        self._where = f"{storage.location(name)}, item {item!r}"
+        self._local: Path | None = None
+        self._lock = threading.Lock()
+
+    def describe(self, relpath: str) -> str:
+        return f"{self._storage.url}/{self._prefix}{relpath}"
+
+    def _key(self, relpath: str) -> str:
+        check_relative(relpath)
+        return self._prefix + relpath
+
+    def size(self, relpath: str) -> int:
+        return len(self.read(relpath, 1 << 62))
+
+    def read(self, relpath: str, size: int) -> bytes:
+        data = self._storage.store.read_chunk(self._key(relpath), 0, size + 1)
+        if data is None:
+            raise FileNotFoundError(self.describe(relpath))
+        return data
+
+    def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
+        """The item's objects on local disk, downloaded on the first call (`relpaths` is
+        ignored: a foreign manifest lists no files)."""
+        del relpaths
+        with self._lock:
+            if self._local is None:
+                self._local = self._download()
+            return self._local
+
+    def release(self) -> None:
+        with self._lock:
+            if self._local is not None:
+                shutil.rmtree(self._local.parent, ignore_errors=True)
+                self._local = None
+
+    def _download(self) -> Path:
+        keys = self._storage.store.list_keys(self._prefix)
+        rels = [key[len(self._prefix) :] for key in keys]
+        if not rels:
+            raise CorruptCheckpointError(f"{self._where}: no object under {self.describe('')}")
+        for rel in rels:
+            try:
+                check_relative(rel)
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{self._where}: the key {self._prefix + rel!r:.300} is not cairn's to "
+                    f"download: {e}"
+                ) from None
+        dirs = {rel.rsplit("/", 1)[0] for rel in rels if "/" in rel}
+        dirs |= {d.rsplit("/", i)[0] for d in list(dirs) for i in range(1, d.count("/") + 1)}
+        clash = sorted(dirs.intersection(rels))
+        if clash:
+            raise CorruptCheckpointError(
+                f"{self._where}: {self.describe(clash[0])} is both an object and the prefix of "
+                "others; no directory can hold it"
+            )
+        scratch = Path(tempfile.mkdtemp(prefix="foreign-", dir=self._storage.local_dir()))
+        top = scratch / self._item
+        try:
+            top.mkdir()
+            for d in sorted(dirs):
+                (top / d).mkdir(parents=True, exist_ok=True)
+            with concurrent.futures.ThreadPoolExecutor(
+                self.THREADS, thread_name_prefix="cairn-fetch"
+            ) as pool:
+                list(pool.map(lambda rel: self._fetch(rel, top / rel), rels))
+        except BaseException as e:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if isinstance(e, (OSError, ValueError)):
+                raise CorruptCheckpointError(f"{self._where} cannot be downloaded: {e}") from e
+            raise
+        return top
+
+    def _fetch(self, rel: str, path: Path) -> None:
+        """One object streamed into a new file."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "wb") as f:
+            offset = 0
+            while True:
+                chunk = self._storage.store.read_chunk(self._prefix + rel, offset, self.CHUNK)
+                if chunk is None:
+                    raise FileNotFoundError(f"{self.describe(rel)} is gone")
+                f.write(chunk)
+                offset += len(chunk)
+                if len(chunk) < self.CHUNK:
+                    return

@@ -42,7 +42,8 @@ from cairn.manager._format import (
     namings,
     trash_name,
 )
-from cairn.manager._layouts.orbax import orbax_step
+from cairn.manager._layouts.base import LocalStepView
+from cairn.manager._layouts.registry import read_foreign
 from cairn.manager._storage.base import Listed, Reclaim
 from cairn.manager._storage.orphans import WRITER_WAIT_S, wait_for_orphan
 
@@ -153,8 +154,9 @@ class PosixStorage:
                     if stat.S_ISREG(os.lstat(path / MANIFEST).st_mode):
                         return naming, "cairn"
                 with contextlib.suppress(OSError):
-                    if orbax_step(step, path) is not None:
-                        return naming, "orbax-checkpoint"
+                    found = read_foreign(step, LocalStepView(path))
+                    if found is not None:
+                        return naming, found[0]
         return None
 
     def read_step(self, names: StepNames, step: int) -> Listed | None:
@@ -170,11 +172,11 @@ class PosixStorage:
             manifest = read_no_follow(path / MANIFEST)
         except FileNotFoundError:
             try:
-                foreign = orbax_step(step, path)
+                foreign = read_foreign(step, LocalStepView(path))
             except FileNotFoundError:  # the step was deleted while being listed
                 return None
             if foreign is not None:
-                return Listed(step, str(path), foreign=foreign)
+                return Listed(step, str(path), foreign=foreign[1])
             if not os.path.lexists(path):
                 return None
             missing = f"step {step} at {path} has no manifest: {path / MANIFEST} is missing"
@@ -193,6 +195,10 @@ class PosixStorage:
 
     def source(self, name: str, item: str) -> Source:
         return LocalSource(within(self.root, f"{name}/{item}", what=f"step {name}"))
+
+    def foreign_source(self, name: str, item: str) -> Source:
+        """An item of a foreign step, read in place."""
+        return self.source(name, item)
 
     # ------------------------------------------------------------------ writing
 
