@@ -217,7 +217,7 @@ def _local(stored: StoredItem) -> Path:
     its objects, which the manager removes after the restore (`Source.release`)."""
     try:
         return stored.directory
-    except (CorruptCheckpointError, OSError) as e:
+    except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"step {stored.step}, item {stored.name!r}: {e}") from None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -700,7 +701,11 @@ class _KvForeignSource(Source):
                 list(pool.map(lambda rel: self._fetch(rel, top / rel), rels))
         except BaseException as e:
             shutil.rmtree(scratch, ignore_errors=True)
-            if isinstance(e, (OSError, ValueError)):
+            # an object gone meanwhile, a key no local file can be named by: the step's doing;
+            # a network error or a full disk is not damage, and is raised as it is
+            if isinstance(e, FileNotFoundError) or (
+                isinstance(e, OSError) and e.errno in (errno.ENAMETOOLONG, errno.EEXIST)
+            ):
                 raise CorruptCheckpointError(f"{self._where} cannot be downloaded: {e}") from e
             raise
         return top
