@@ -13,7 +13,8 @@ TensorStore reads still run; each of those then completes into a closed loop and
 call orbax, `_orbax_finishes_its_reads` has it wait for those reads (at most `_FINISH_S`) first.
 
 An Orbax step is a directory cairn did not write, so everything in it is untrusted: cairn's own
-reads never follow a link (`orbax_items`, `read_metadata`), and before an item is handed to
+reads never follow a link (the manager's `_layouts` read the step's listing and small files
+through a view of it that follows none), and before an item is handed to
 orbax or TensorFlow, which would follow links and block on a FIFO, `check_tree` refuses any
 entry of the item's tree that is not a directory or a regular file.
 """
@@ -29,7 +30,7 @@ from collections.abc import Coroutine, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers._files import StoredItem, parse_json, read_no_follow, within
+from cairn.handlers._files import StoredItem, parse_json, read_no_follow
 from cairn.handlers._optional import optional
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 
@@ -39,26 +40,12 @@ __all__ = [
     "OrbaxPyTreeHandler",
     "check_tree",
     "orbax_item_kind",
-    "orbax_items",
     "orbax_listing_kind",
-    "read_metadata",
 ]
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
 _PYTREE_MARKS = ("_METADATA", "manifest.ocdbt", "_sharding", "checkpoint")
-
-
-def orbax_items(step_dir: Path) -> dict[str, str]:
-    """The Orbax items of a step directory: name -> handler id, sorted by name.
-
-    Only real directories count (a link is never followed). OSError if `step_dir` cannot be
-    listed (FileNotFoundError: it was deleted meanwhile).
-    """
-    with os.scandir(step_dir) as entries:
-        names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-    kinds = {name: orbax_item_kind(step_dir / name) for name in names}
-    return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
 def orbax_item_kind(path: Path) -> str | None:
@@ -84,14 +71,6 @@ def orbax_listing_kind(is_dir: Mapping[str, bool]) -> str | None:
     if "metadata" in is_dir:
         return OrbaxJsonHandler.id
     return None
-
-
-def read_metadata(step_dir: Path, relpath: str) -> bytes:
-    """The bytes of the metadata file `relpath` of an Orbax step (``_CHECKPOINT_METADATA``,
-    ``metrics/metrics``), read without following a link on the way or at the end and without
-    blocking on a FIFO: FileNotFoundError if missing, OSError or CorruptCheckpointError if it
-    is a link or not a regular file."""
-    return read_no_follow(within(step_dir, relpath, what=f"Orbax step {step_dir}"))
 
 
 def check_tree(directory: Path, where: str) -> None:

@@ -13,8 +13,8 @@ saves know of files written before), `RangeHashes` (a file's content hash and it
 one read, before an incremental save links it).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
-Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`, `orbax_items`,
-`orbax_listing_kind`, `read_orbax_metadata`. Optional libraries: `optional` (a missing one raises
+Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`,
+`orbax_listing_kind`. Optional libraries: `optional` (a missing one raises
 MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
 them (nothing, or the handler's own value, where a snapshot or handler lacks one):
 `settle_snapshot`, `release_snapshot`, `snapshot_version`, `check_item`.
@@ -39,8 +39,7 @@ from cairn.handlers._iterators import decode_state, encode_state, has_state_meth
 from cairn.handlers._optional import optional
 from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
-from cairn.handlers._orbax import orbax_items, orbax_listing_kind
-from cairn.handlers._orbax import read_metadata as read_orbax_metadata
+from cairn.handlers._orbax import orbax_listing_kind
 from cairn.handlers._packs import chunks_by_pack
 from cairn.handlers._protocol import (
     check_item,
@@ -74,11 +73,9 @@ __all__ = [
     "lower_thread_priority",
     "open_regular",
     "optional",
-    "orbax_items",
     "orbax_listing_kind",
     "parse_json",
     "read_no_follow",
-    "read_orbax_metadata",
     "release_snapshot",
     "settle_snapshot",
     "snapshot_version",
