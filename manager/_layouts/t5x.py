@@ -2,7 +2,8 @@
 
 Local directories only: T5X's legacy layout is read from a POSIX path (its arrays through
 TensorStore's ``file`` kvstore), not through the `base.StepView` that object stores provide, so
-a T5X legacy step in a bucket is not found (a T5X step in Orbax's layout is, as any Orbax step).
+a T5X legacy step in a bucket is not found (a CheckpointManager on a bucket does list a T5X step
+in Orbax's layout, as any Orbax step; `t5x_steps` here reads local directories only).
 
 T5X's own ("legacy") layout, as ``t5x/checkpoints.py`` writes it::
 

@@ -246,3 +246,34 @@ def test_a_damaged_orbax_item_in_a_bucket_is_corrupt(
             mgr.restore(2)
         assert downloads(mgr) == []
         assert_tree(mgr.restore(3)["state"], 3)
+
+
+@pytest.mark.parametrize("failure", ["vanished", "network"])
+def test_a_download_that_fails_leaves_nothing_behind(
+    orbax_run: Path, failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object gone between the listing and its GET is damage of that step and item; a
+    network error is raised as it is (not damage: no fallback past a whole step). Either way
+    the download is removed."""
+    url = f"memory://layouts-{os.urandom(6).hex()}/fail"
+    upload(orbax_run, url)
+    real = ObjectStore.read_chunk
+
+    def read_chunk(self: ObjectStore, key: str, offset: int, size: int) -> bytes | None:
+        if key.endswith("/_METADATA") and key.startswith("2/state/"):
+            if failure == "vanished":
+                return None
+            raise ValueError("UNAVAILABLE: connection reset")
+        return real(self, key, offset, size)
+
+    monkeypatch.setattr(ObjectStore, "read_chunk", read_chunk)
+    with CheckpointManager(url, read_only=True, step_prefix="") as mgr:
+        error = CorruptCheckpointError if failure == "vanished" else ValueError
+        with pytest.raises(error, match=r"_METADATA|UNAVAILABLE") as raised:
+            mgr.restore(2)
+        if failure == "vanished":
+            assert "step 2, item 'state'" in str(raised.value)
+        else:
+            assert not isinstance(raised.value, CorruptCheckpointError)
+        assert downloads(mgr) == []
+        assert_tree(mgr.restore(1)["state"], 1)
