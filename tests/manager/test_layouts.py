@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import boto3
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 from test_orbax_interop import assert_tree, write_orbax
 
-from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest, ReadOnlyError
+from cairn.manager import (
+    CheckpointManager,
+    CorruptCheckpointError,
+    KeepBest,
+    KeepLatest,
+    ReadOnlyError,
+)
 from cairn.manager._layouts.base import MAX_READ, LocalStepView
 from cairn.manager._layouts.orbax import orbax_step
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
@@ -277,3 +284,25 @@ def test_a_download_that_fails_leaves_nothing_behind(
             assert not isinstance(raised.value, CorruptCheckpointError)
         assert downloads(mgr) == []
         assert_tree(mgr.restore(1)["state"], 1)
+
+
+def test_best_of_retention_beside_orbax_steps_as_on_disk(
+    orbax_run: Path, s3_bucket: str, tmp_path: Path
+) -> None:
+    """As on disk: best_step reads the Orbax steps' metrics (losses 1/2, 1/3, 1/4) with cairn's,
+    and KeepBest ranks cairn's own steps only (the Orbax steps are never its to delete)."""
+    local = tmp_path / "run"
+    shutil.copytree(orbax_run, local)
+    url = f"{s3_bucket}/best"
+    store = upload(orbax_run, url)
+    before = store.list_keys()
+    for directory in (str(local), url):
+        with CheckpointManager(
+            directory, step_prefix="", keep=KeepBest(2, "loss"), best=("loss", "min")
+        ) as mgr:
+            for step, loss in ((4, 0.5), (5, 0.4), (6, 0.45), (7, 0.6)):
+                mgr.save(step, {"s": [step]}, metrics={"loss": loss})
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 2, 3, 5, 6, 7], directory  # 4 ranks third; 7 newest
+            assert mgr.best_step() == 3, directory
+    assert set(before) <= set(store.list_keys())
