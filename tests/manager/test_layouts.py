@@ -5,14 +5,18 @@ bucket are handled as on POSIX (tests/test_untrusted_foreign.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import boto3
 import numpy as np
 import pytest
+from s3util import s3_env
 from test_orbax_interop import assert_tree, write_orbax
 
 from cairn.manager import (
@@ -306,3 +310,35 @@ def test_best_of_retention_beside_orbax_steps_as_on_disk(
             assert mgr.all_steps() == [1, 2, 3, 5, 6, 7], directory  # 4 ranks third; 7 newest
             assert mgr.best_step() == 3, directory
     assert set(before) <= set(store.list_keys())
+
+
+def test_the_command_line_on_orbax_steps_in_a_bucket(
+    orbax_run: Path, s3_bucket: str, s3_endpoint: str
+) -> None:
+    url = f"{s3_bucket}/cli"
+    upload(orbax_run, url)
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    env = s3_env(s3_endpoint)
+    ls = subprocess.run(
+        [cairn, "ls", url, "--step-prefix", "", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert ls.returncode == 0, ls.stderr
+    rows = json.loads(ls.stdout)
+    assert [(r["step"], r["format"], r["metrics"]) for r in rows] == [
+        (1, "orbax", {"loss": 0.5}),
+        (2, "orbax", {"loss": 1 / 3}),
+        (3, "orbax", {"loss": 0.25}),
+    ]
+    verify = subprocess.run(
+        [cairn, "verify", url, "--step-prefix", ""],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert verify.returncode == 0, verify.stderr
+    assert verify.stdout.splitlines()[0] == "step 1: orbax step, no checksums to verify"
