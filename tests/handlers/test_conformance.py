@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import Gate
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import (
     FileRecord,

@@ -19,7 +19,7 @@ import grain
 import ml_dtypes
 import numpy as np
 import pytest
-from iterutil import Shuffled, advanced, take
+from support.iterutil import Shuffled, advanced, take
 from test_conformance import stored, write_item
 from tfdata_state_worker import CASES, PROBE_TIMEOUT
 

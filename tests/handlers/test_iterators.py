@@ -13,9 +13,9 @@ import grain
 import numpy as np
 import pytest
 import tensorflow as tf
-from iterutil import Shuffled, TorchStyle, advanced, take
+from support.iterutil import Shuffled, TorchStyle, advanced, take
+from support.treeutil import assert_tree_equal
 from test_conformance import HandlerContract, stored, write_item
-from treeutil import assert_tree_equal
 
 from cairn.handlers import (
     GrainIteratorHandler,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Gate
-from treeutil import assert_tree_equal, dir_state
+from support.treeutil import assert_tree_equal, dir_state
 
 from cairn.handlers import FileRecord, InMemoryHandler, JsonHandler, NumpyTreeHandler
 from cairn.handlers._numpy_tree import _TreeSnapshot

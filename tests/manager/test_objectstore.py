@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Gate
-from iterutil import Shuffled, advanced, take
-from s3util import s3_env
-from treeutil import assert_tree_equal
+from support.iterutil import Shuffled, advanced, take
+from support.s3util import s3_env
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import InMemoryHandler
 from cairn.manager import (

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from iterutil import Shuffled, advanced, take
-from treeutil import assert_tree_equal
+from support.iterutil import Shuffled, advanced, take
+from support.treeutil import assert_tree_equal
 
 from cairn.manager import (
     CheckpointManager,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import FileRecord, InMemoryHandler, JsonHandler, NumpyTreeHandler
 from cairn.handlers.io import BACKGROUND_NICE

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 from conftest import Gate
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import (
     Destination,
