@@ -1,7 +1,7 @@
 """The directory's one writer (WriterHold: `acquire`, `release`, `check_writer`): a lock file on
 POSIX, a lease object on object stores; a second writable manager in this process takes over
 from the first, another process is refused. One class per backend that has the part (TestPosix,
-TestMemory, TestS3 on a real moto server).
+TestMemory, TestS3 on a real moto server, TestGcs on a real fake-gcs-server).
 
 Gathered here from tests/manager/test_takeover.py (the takeover), test_manager.py,
 test_robustness.py and test_reliability.py (the lock) and test_objectstore.py (the lease).
@@ -347,15 +347,18 @@ class TestMemory:
                 mgr.close()
 
 
-class TestS3:
-    """The lease object on S3 (a real moto server): taken over in this process, refused while
-    another host's is live, taken over once its writer cannot come back; a writer whose lease was
-    taken over commits nothing."""
+class LeaseContract:
+    """The lease object of an object store: taken over in this process, refused while another
+    host's is live, taken over once its writer cannot come back. A subclass gives the bucket."""
 
-    def test_a_second_writer_in_this_process_takes_the_lease_over(self, s3_bucket: str) -> None:
+    @pytest.fixture
+    def lease_bucket(self) -> str:
+        raise NotImplementedError
+
+    def test_a_second_writer_in_this_process_takes_the_lease_over(self, lease_bucket: str) -> None:
         """In one process the newer manager takes over (TestPosix's takeover cases): a lease of
         its own; the old manager's close() deletes nothing of it."""
-        url = f"{s3_bucket}/lease"
+        url = f"{lease_bucket}/lease"
         store = ObjectStore(url, StorageOptions())
         old = CheckpointManager(url)
         old.save(1, {"state": state(1)})
@@ -373,8 +376,8 @@ class TestS3:
                 assert reader.all_steps() == [1, 2]
         assert store.read(LOCK) is None  # released at close
 
-    def test_a_live_lease_of_another_host_is_refused(self, s3_bucket: str) -> None:
-        url = f"{s3_bucket}/held"
+    def test_a_live_lease_of_another_host_is_refused(self, lease_bucket: str) -> None:
+        url = f"{lease_bucket}/held"
         store = put_lease(url, "elsewhere:123:abcdef01", time.time() + 600)
         with pytest.raises(
             DirectoryLockedError, match=r"held by another writable .*\(elsewhere:123:"
@@ -385,10 +388,10 @@ class TestS3:
             assert reader.all_steps() == []
 
     @pytest.mark.parametrize("lease", ["expired", "of a dead process here", "unreadable"])
-    def test_a_dead_writers_lease_is_taken_over(self, s3_bucket: str, lease: str) -> None:
+    def test_a_dead_writers_lease_is_taken_over(self, lease_bucket: str, lease: str) -> None:
         """A lease whose writer cannot come back: expired (another host's, not refreshed for an
         hour), or held by a process of this host that no longer runs, or not a lease at all."""
-        url = f"{s3_bucket}/dead"
+        url = f"{lease_bucket}/dead"
         if lease == "expired":
             store = put_lease(url, "elsewhere:123:abcdef01", time.time() - 1)
         elif lease == "of a dead process here":
@@ -405,6 +408,15 @@ class TestS3:
             mgr.wait_until_finished()
             assert lease_of(store)["expires"] > held["expires"]  # refreshed by the commit
         assert store.read(LOCK) is None  # released at close
+
+
+class TestS3(LeaseContract):
+    """The lease on S3 (a real moto server), and a writer whose lease was taken over commits
+    nothing (its manifest's write is conditional on its claim, which moto honours)."""
+
+    @pytest.fixture
+    def lease_bucket(self, s3_bucket: str) -> str:
+        return s3_bucket
 
     @pytest.mark.parametrize("where", ["after the upload", "after the lease check"])
     def test_a_writer_whose_lease_was_taken_over_commits_nothing(
@@ -455,3 +467,13 @@ class TestS3:
         finally:
             gate.release.set()
             a.close()
+
+
+class TestGcs(LeaseContract):
+    """The lease on GCS (a real fake-gcs-server). The emulator ignores the conditions of
+    TensorStore's writes (tests/manager/test_gcs_emulator.py), so a writer whose lease was taken
+    over is tested on S3 only."""
+
+    @pytest.fixture
+    def lease_bucket(self, gcs_bucket: str) -> str:
+        return gcs_bucket
