@@ -1,12 +1,15 @@
 """The handler contract (fsspec-style abstract suite), run for every handler that writes: JSON,
 NumPy trees, train states (zarr and packed), in-memory, torch state dicts, SpeechBrain's
 recoverables, and the dataset iterators (get_state()/set_state() objects, grain, tf.data, and
-T5X's DatasetCheckpointHandler). The read-only Orbax handlers write nothing; tests/
-test_orbax_interop.py reads Orbax's own steps with them.
+T5X's DatasetCheckpointHandler). The read-only Orbax handlers (OrbaxPyTreeHandler,
+OrbaxJsonHandler, OrbaxDatasetHandler) write nothing and record no file hashes, so this contract
+does not apply; tests/test_orbax_interop.py and tests/test_untrusted_foreign.py read Orbax's own
+steps with them.
 
 A handler whose restore does not give back the saved object (an iterator restores into a target,
 SpeechBrain's handler returns the path its load hooks read) says so through the hooks `target`,
-`restored`, `assert_restored` and `registered_type`; no case is skipped.
+`restored`, `assert_restored`, `registered_type`, `item` and `restores_to_a_path`; no case is
+skipped.
 """
 
 from __future__ import annotations
