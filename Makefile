@@ -38,7 +38,9 @@ soak: install lower-bounds
 LOWER := build/venv-lower
 LOWER_CORE_TESTS := tests/manager/test_policies.py tests/manager/test_policy_results.py \
 	tests/manager/test_manager.py tests/manager/test_bad_input.py tests/manager/test_robustness.py \
-	tests/manager/test_crash.py tests/manager/test_storage.py tests/manager/test_keep_items.py \
+	tests/manager/test_crash.py tests/manager/test_keep_items.py tests/contracts/test_storage_steps.py \
+	tests/contracts/test_storage_crashes.py tests/contracts/test_storage_names.py \
+	tests/contracts/test_storage_writer_hold.py tests/contracts/test_storage_shared_deletion.py \
 	tests/handlers/test_destination.py tests/test_cli.py \
 	-k "not s3 and not gcs and not memory and not plot and not tensorboard"
 lower-bounds:

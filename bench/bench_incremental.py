@@ -153,7 +153,7 @@ def advance(state: Any, case: str, lora: list[tuple[str, ...]], k: int) -> Any:
 def s3_bucket() -> Iterator[str]:
     """A bucket of a moto S3 server process on 127.0.0.1 (bench_objectstore's), for the
     duration, with the environment pointing cairn at it; its URL."""
-    import bench_objectstore as bo  # its moto server, and tests/s3util's credentials
+    import bench_objectstore as bo  # its moto server, and tests/support/s3util's credentials
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=SCRATCH) as workdir:

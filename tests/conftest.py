@@ -12,7 +12,8 @@ import pytest
 
 from cairn.handlers import InMemoryHandler
 
-pytest_plugins = ["s3util", "gcsutil"]  # real S3 (moto) and GCS (fake-gcs-server) servers
+# real S3 (moto) and GCS (fake-gcs-server) servers
+pytest_plugins = ["support.s3util", "support.gcsutil"]
 
 
 @pytest.hookimpl(tryfirst=True)

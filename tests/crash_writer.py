@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from iterutil import Shuffled, advanced
+from support.iterutil import Shuffled, advanced
 
 from cairn.manager import AnyOf, CheckpointManager, KeepAll, KeepBest, KeepLatest, KeepPolicy
 

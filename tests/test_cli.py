@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from iterutil import Shuffled
+from support.iterutil import Shuffled
 
 from cairn.handlers import JsonHandler
 from cairn.manager import CheckpointManager, KeepBest

@@ -1,4 +1,4 @@
-"""tests/countproxy.py in front of the real servers: TensorStore's S3 driver against moto and its
+"""tests/support/countproxy.py in front of the real servers: TensorStore's S3 driver against moto and its
 GCS driver against fake-gcs-server, through the proxy, and the request log that comes out.
 
 The counts asserted are what TensorStore 0.1.86 sends (measured through the proxy):
@@ -23,15 +23,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import countproxy
 import pytest
 import tensorstore as ts
-from countproxy import CountingProxy, Request, count_by_method, parse_log
+from support import countproxy
+from support.countproxy import CountingProxy, Request, count_by_method, parse_log
 
 BIG = 3 << 20  # over 1 MiB: libcurl sends the body only after `Expect: 100-continue`
 SMALL = b"small value"
 OTHER = b"another value"
-COUNTPROXY = Path(__file__).with_name("countproxy.py")
+COUNTPROXY = Path(countproxy.__file__)
 
 
 def big_value() -> bytes:

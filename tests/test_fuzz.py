@@ -25,10 +25,10 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import fuzzutil as fz
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
+from support import fuzzutil as fz
 
 KINDS: collections.Counter[str] = collections.Counter()
 QUICK = settings(

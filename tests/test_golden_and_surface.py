@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from golden.make_golden import golden_state
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 import cairn.handlers
 import cairn.manager

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from treeutil import dir_state
+from support.treeutil import dir_state
 
 from cairn.manager import CheckpointManager
 

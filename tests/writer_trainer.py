@@ -62,7 +62,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     handlers = {}
     if args.gate:
-        from writer_items import Gated
+        from support.writer_items import Gated
 
         handlers["gate"] = Gated()
     mgr = CheckpointManager(

@@ -19,8 +19,8 @@ import grain
 import ml_dtypes
 import numpy as np
 import pytest
-from iterutil import Shuffled, advanced, take
-from test_conformance import stored, write_item
+from support.handlers import stored, write_item
+from support.iterutil import Shuffled, advanced, take
 from tfdata_state_worker import CASES, PROBE_TIMEOUT
 
 from cairn.handlers import (

@@ -1,7 +1,8 @@
 """Dataset iterator handlers: tf.data, grain, get_state()/set_state() objects.
 
-Each passes the handler contract with a live iterator (restored into a fresh one, compared on the
-elements that follow), and the per-handler cases below.
+Each passes the handler contract (tests/contracts/test_handlers.py) with a live iterator (restored
+into a fresh one, compared on the elements that follow); here are the per-handler cases, on the
+same subjects (`StatefulIterator`, ... from the contract).
 """
 
 from __future__ import annotations
@@ -9,112 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import grain
 import numpy as np
 import pytest
 import tensorflow as tf
-from iterutil import Shuffled, TorchStyle, advanced, take
-from test_conformance import HandlerContract, stored, write_item
-from treeutil import assert_tree_equal
+from contracts.test_handlers import GrainDatasetIterator, StatefulIterator, TfDataIterator
+from support.handlers import stored, write_item
+from support.iterutil import Shuffled, TorchStyle, advanced, take
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import (
-    GrainIteratorHandler,
     Handler,
-    StatefulIteratorHandler,
     TfDataIteratorHandler,
-    TfDataIteratorState,
-    handler_for,
-    writing_as,
 )
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError
 from cairn.manager import CheckpointManager
 
 
-def tf_pipeline() -> tf.data.Dataset:
-    """A T5X-like input pipeline: map, shuffle, batch, prefetch (deterministic by seed)."""
-    ds = tf.data.Dataset.range(400).map(
-        lambda i: {"x": tf.random.stateless_uniform([8], seed=tf.stack([i, 7])), "i": i}
-    )
-    return ds.shuffle(64, seed=3, reshuffle_each_iteration=True).repeat().batch(4).prefetch(2)
-
-
-def grain_pipeline() -> Any:
-    ds = grain.MapDataset.range(400).shuffle(seed=5).map(lambda x: x * 3).repeat(None)
-    return ds.to_iter_dataset().batch(4)
-
-
-class IteratorContract(HandlerContract):
-    """Samples are live iterators advanced a few elements; equality = the same elements follow."""
-
-    def fresh(self) -> Any:
-        raise NotImplementedError
-
-    def sample(self) -> Any:
-        return advanced(self.fresh())
-
-    def mutate(self, obj: Any) -> None:
-        advanced(obj, 11)  # iterating after save() must not change what is written
-
-    def target(self) -> Any:
-        return self.fresh()
-
-    def elements(self, iterator: Any) -> list[Any]:
-        """The next few elements, comparable with ==."""
-        return take(iterator)
-
-    def assert_restored(self, got: Any, expected: Any) -> None:
-        assert self.elements(got) == self.elements(expected)
-
-    def set_state(self, iterator: Any, state: Any) -> None:
-        iterator.set_state(state)
-
-    def test_round_trip_without_target(self, handler: Handler, tmp_path: Path) -> None:
-        """Without a target, restore returns the saved state, which a fresh iterator accepts."""
-        records = write_item(handler, self.sample(), tmp_path / "item")
-        state = handler.restore(stored(tmp_path / "item", records))
-        iterator = self.fresh()
-        if isinstance(state, TfDataIteratorState):
-            state.restore_into(iterator)
-        else:
-            self.set_state(iterator, state)
-        self.assert_restored(iterator, self.sample())
-
-    def test_restore_is_in_place(self, handler: Handler, tmp_path: Path) -> None:
-        records = write_item(handler, self.sample(), tmp_path / "item")
-        target = self.fresh()
-        assert handler.restore(stored(tmp_path / "item", records), target) is target
-
-    def test_one_file_per_process(self, handler: Handler, tmp_path: Path) -> None:
-        """Two processes write their own positions into one item; each restores its own."""
-        item = tmp_path / "item"
-        item.mkdir()
-        records = []
-        for index, skip in ((0, 2), (1, 9)):
-            with writing_as(index, 2):
-                records += handler.snapshot(advanced(self.fresh(), skip)).write(item)
-        assert sorted(r.path.split(".")[0] for r in records) == [
-            "process_0-of-2",
-            "process_1-of-2",
-        ]
-        for index, skip in ((0, 2), (1, 9)):
-            with writing_as(index, 2):
-                got = handler.restore(stored(item, records), self.fresh())
-            self.assert_restored(got, advanced(self.fresh(), skip))
-        with pytest.raises(MismatchError, match=r"saved by 2 process.*this run has 1"):
-            handler.restore(stored(item, records), self.fresh())
-
-    def test_registry_picks_it(self, handler: Handler) -> None:
-        assert type(handler_for(self.fresh())) is type(handler)
-
-
-class TestStatefulIteratorHandler(IteratorContract):
-    @pytest.fixture
-    def handler(self) -> Handler:
-        return StatefulIteratorHandler()
-
-    def fresh(self) -> Any:
-        return Shuffled()
-
+class TestStatefulIteratorHandler(StatefulIterator):
     def test_state_comes_back_with_its_types(self, handler: Handler, tmp_path: Path) -> None:
         """Tuples, bytes, int keys, NumPy arrays and scalars, NaN: back as they were."""
         obj = advanced(Shuffled(), 60)  # past one epoch: a new permutation and RNG state
@@ -146,14 +58,7 @@ class TestStatefulIteratorHandler(IteratorContract):
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".cairn.lock"]
 
 
-class TestGrainDatasetIterator(IteratorContract):
-    @pytest.fixture
-    def handler(self) -> Handler:
-        return GrainIteratorHandler()
-
-    def fresh(self) -> Any:
-        return iter(grain_pipeline())
-
+class TestGrainDatasetIterator(GrainDatasetIterator):
     def test_state_is_orbax_json(self, handler: Handler, tmp_path: Path) -> None:
         """The file is the JSON of get_state(), as Orbax's grain handler writes it."""
         import json
@@ -165,51 +70,7 @@ class TestGrainDatasetIterator(IteratorContract):
         )
 
 
-class _Source:
-    def __len__(self) -> int:
-        return 300
-
-    def __getitem__(self, i: int) -> int:
-        return i * 2
-
-    def __repr__(self) -> str:  # grain checks the source by repr
-        return "_Source(300)"
-
-
-class TestGrainDataLoader(IteratorContract):
-    @pytest.fixture
-    def handler(self) -> Handler:
-        return GrainIteratorHandler()
-
-    def fresh(self) -> Any:
-        sampler = grain.samplers.IndexSampler(
-            300, shard_options=grain.sharding.NoSharding(), shuffle=True, seed=0, num_epochs=1
-        )
-        loader = grain.DataLoader(
-            data_source=_Source(),
-            sampler=sampler,
-            operations=[grain.transforms.Batch(4)],
-            worker_count=0,
-        )
-        return iter(loader)
-
-    def set_state(self, iterator: Any, state: Any) -> None:
-        import json
-
-        iterator.set_state(json.dumps(state).encode())  # restored without a target: a dict
-
-
-class TestTfDataIteratorHandler(IteratorContract):
-    @pytest.fixture
-    def handler(self) -> Handler:
-        return TfDataIteratorHandler()
-
-    def fresh(self) -> Any:
-        return iter(tf_pipeline())
-
-    def elements(self, iterator: Any) -> list[Any]:
-        return take(batch["i"] for batch in iterator)
-
+class TestTfDataIteratorHandler(TfDataIterator):
     def test_external_state_is_refused_in_save(self, tmp_path: Path) -> None:
         """A tf.py_function in the pipeline: a clear error inside save(), no step on disk."""
         ds = tf.data.Dataset.range(10).map(lambda x: tf.py_function(lambda y: y + 1, [x], tf.int64))

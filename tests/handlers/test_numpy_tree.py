@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from test_conformance import stored, write_item
-from treeutil import assert_tree_equal
+from support.handlers import stored, write_item
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import NumpyTreeHandler, handler_for, register
 from cairn.handlers.errors import MismatchError

@@ -20,8 +20,8 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.treeutil import assert_tree_equal
 from test_train_state import VIEWS
-from treeutil import assert_tree_equal
 
 from cairn.handlers import TrainStateHandler, TrainStateRestore
 from cairn.handlers import _packs as packs_impl
@@ -632,7 +632,7 @@ def test_a_restore_reads_many_small_leaves_in_a_few_reads(
 def test_on_s3_a_run_of_small_leaves_is_one_ranged_get(
     s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from countproxy import CountingProxy
+    from support.countproxy import CountingProxy
 
     state = many_small_leaves()
     with CountingProxy(s3_endpoint) as proxy:

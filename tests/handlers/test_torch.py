@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuzzutil import checked_json, record_for
+from support.fuzzutil import checked_json, record_for
 
 from cairn.handlers import TorchStateHandler, handler_for
 from cairn.manager import CheckpointManager, CorruptCheckpointError, MismatchError

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from conftest import Gate
-from test_conformance import stored, write_item
+from support.handlers import stored, write_item
 
 from cairn.handlers import InMemoryHandler, LazyArray, TrainStateHandler, TrainStateRestore
 from cairn.handlers.errors import CorruptCheckpointError, MismatchError

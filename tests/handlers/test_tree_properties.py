@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from test_conformance import stored, write_item
-from treeutil import assert_tree_equal
+from support.handlers import stored, write_item
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import Handler, NumpyTreeHandler, TrainStateHandler
 from cairn.handlers._tree import check_dtype_name

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from treeutil import dir_state
+from support.treeutil import dir_state
 
 from cairn.handlers import JsonHandler
 from cairn.manager import (

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from crash_harness import run_phase_trials, run_trials
 from crash_writer import PHASES
+from support.crash_harness import run_phase_trials, run_trials
 
 
 def test_sync_saves_survive_sigkill(tmp_path: Path, record_property: pytest.RecordProperty) -> None:

@@ -1,4 +1,4 @@
-"""What the GCS emulator (fake-gcs-server, tests/gcsutil.py) does with the TensorStore kvstore
+"""What the GCS emulator (fake-gcs-server, tests/support/gcsutil.py) does with the TensorStore kvstore
 operations cairn's object store relies on: plain reads, writes, lists and deletes work as on GCS;
 of the write conditions, it honours none.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import tensorstore as ts
-from gcsutil import gcs_requests
+from support.gcsutil import gcs_requests
 
 KeyRange = ts.KvStore.KeyRange
 

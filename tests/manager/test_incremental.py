@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from countproxy import CountingProxy, Request
-from treeutil import assert_tree_equal
+from support.countproxy import CountingProxy, Request
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers.io import KnownFiles
 from cairn.manager import CheckpointManager, CorruptCheckpointError, KeepLatest

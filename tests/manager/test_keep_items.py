@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from iterutil import Shuffled, advanced, take
+from support.iterutil import Shuffled, advanced, take
+from support.treeutil import assert_tree_equal
 from test_manager import edit_manifest
-from treeutil import assert_tree_equal
 
 from cairn.handlers import Handler, StatefulIteratorHandler, StoredItem, TrainStateHandler
 from cairn.manager import (

@@ -16,7 +16,7 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-from s3util import s3_env
+from support.s3util import s3_env
 from test_orbax_interop import assert_tree, write_orbax
 
 from cairn.manager import (

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Gate
-from treeutil import assert_tree_equal, dir_state
+from support.treeutil import assert_tree_equal, dir_state
 
 from cairn.handlers import FileRecord, InMemoryHandler, JsonHandler, NumpyTreeHandler
 from cairn.handlers._numpy_tree import _TreeSnapshot
@@ -29,7 +29,6 @@ from cairn.manager import (
     ReadOnlyError,
     StepAlreadyExistsError,
     StepNotFoundError,
-    SupersededError,
     UnsupportedFormatError,
 )
 from cairn.manager._format import dump_checked
@@ -270,19 +269,6 @@ def test_leftovers_are_removed_at_start_but_not_by_readers(tmp_path: Path) -> No
         assert mgr.all_steps() == [1]
     assert leftovers(tmp_path) == ["unrelated.tmp-x"]
     assert not (tmp_path / "checkpoint_1" / ".metrics.json.tmp-123").exists()
-
-
-def test_one_writer_per_directory(tmp_path: Path) -> None:
-    """A second writable manager in this process takes over (tests/manager/test_takeover.py);
-    readers open alongside; the lock goes with the writer's close()."""
-    first = CheckpointManager(tmp_path)
-    second = CheckpointManager(tmp_path)
-    with pytest.raises(SupersededError):
-        first.save(1, {"s": [1]})
-    CheckpointManager(tmp_path, read_only=True).close()
-    first.close()
-    second.close()
-    CheckpointManager(tmp_path).close()
 
 
 def test_read_only_refuses_writes(tmp_path: Path) -> None:

@@ -1,18 +1,15 @@
 """Checkpoint directories in S3, against a real S3 server process (moto) on 127.0.0.1: what is
-particular to object stores (the URL forms, storage_options, the lease, real writer processes,
-steps copied between a disk and a bucket). What every backend must do is in test_storage.py."""
+particular to object stores (the URL forms, storage_options, real writer processes,
+steps copied between a disk and a bucket). What every backend must do is in tests/contracts/ (the
+lease: test_storage_writer_hold.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,23 +18,19 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Gate
-from iterutil import Shuffled, advanced, take
-from s3util import s3_env
-from treeutil import assert_tree_equal
+from support.iterutil import Shuffled, advanced, take
+from support.objectstore import hold
+from support.s3util import s3_env
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import InMemoryHandler
 from cairn.manager import (
     CheckpointManager,
     CommitError,
-    DirectoryLockedError,
     KeepLatest,
     StepNotFoundError,
-    SupersededError,
 )
-from cairn.manager._core import takeover
-from cairn.manager._format import LOCK, MANIFEST
-from cairn.manager._storage import lease as _lease
-from cairn.manager._storage import objectstore as _objectstore
+from cairn.manager._format import MANIFEST
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
@@ -157,73 +150,6 @@ def test_storage_options_that_do_not_apply(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="for gs:// the endpoint comes from TENSORSTORE_GCS"):
         CheckpointManager("gs://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1"})
     assert not list(tmp_path.iterdir())
-
-
-def test_a_second_writer_in_this_process_takes_the_lease_over(s3_bucket: str) -> None:
-    """In one process the newer manager takes over (tests/manager/test_takeover.py): a lease of
-    its own; the old manager's close() deletes nothing of it."""
-    url = f"{s3_bucket}/lease"
-    store = ObjectStore(url, StorageOptions())
-    old = CheckpointManager(url)
-    old.save(1, {"state": state(1)})
-    first_owner = lease_of(store)["owner"]
-    with CheckpointManager(url) as new:
-        assert new.all_steps() == [1]  # the old one's pending save, committed first
-        assert lease_of(store)["owner"] != first_owner
-        with pytest.raises(SupersededError):
-            old.save(2, {"state": state(2)})
-        old.close()
-        assert lease_of(store)["owner"] != first_owner  # still the new manager's
-        new.save(2, {"state": state(2)})
-        new.wait_until_finished()
-        with CheckpointManager(url, read_only=True) as reader:
-            assert reader.all_steps() == [1, 2]
-    assert store.read(LOCK) is None  # released at close
-
-
-def put_lease(url: str, owner: str, expires: float) -> ObjectStore:
-    store = ObjectStore(url, StorageOptions())
-    store.write(LOCK, json.dumps({"owner": owner, "expires": expires}).encode())
-    return store
-
-
-def lease_of(store: ObjectStore) -> dict[str, Any]:
-    data = store.read(LOCK)
-    assert data is not None
-    return dict(json.loads(data))
-
-
-def test_a_live_lease_of_another_host_is_refused(s3_bucket: str) -> None:
-    url = f"{s3_bucket}/held"
-    store = put_lease(url, "elsewhere:123:abcdef01", time.time() + 600)
-    with pytest.raises(DirectoryLockedError, match=r"held by another writable .*\(elsewhere:123:"):
-        CheckpointManager(url)
-    assert lease_of(store)["owner"] == "elsewhere:123:abcdef01"  # left alone
-    with CheckpointManager(url, read_only=True) as reader:  # readers need no lease
-        assert reader.all_steps() == []
-
-
-@pytest.mark.parametrize("lease", ["expired", "of a dead process here", "unreadable"])
-def test_a_dead_writers_lease_is_taken_over(s3_bucket: str, lease: str) -> None:
-    """A lease whose writer cannot come back: expired (another host's, not refreshed for an
-    hour), or held by a process of this host that no longer runs, or not a lease at all."""
-    url = f"{s3_bucket}/dead"
-    if lease == "expired":
-        store = put_lease(url, "elsewhere:123:abcdef01", time.time() - 1)
-    elif lease == "of a dead process here":
-        gone = subprocess.Popen([sys.executable, "-c", "pass"])
-        gone.wait()
-        store = put_lease(url, f"{socket.gethostname()}:{gone.pid}:abcdef01", time.time() + 600)
-    else:
-        store = ObjectStore(url, StorageOptions())
-        store.write(LOCK, b"not json")
-    with CheckpointManager(url) as mgr:
-        held = lease_of(store)
-        assert held["owner"].startswith(f"{socket.gethostname()}:{os.getpid()}:")
-        mgr.save(1, {"state": state(1)})
-        mgr.wait_until_finished()
-        assert lease_of(store)["expires"] > held["expires"]  # refreshed by the commit
-    assert store.read(LOCK) is None  # released at close
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -364,87 +290,6 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
     assert store.list_keys("checkpoint_1/") == []
 
 
-def hold(where: str, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hold the next commit of a step on `gate` once its files are written: before the commit
-    starts, or right after the lease check that follows the upload (just before the manifest).
-    Once."""
-    uploaded, held = threading.Event(), threading.Event()
-    commit, check = _objectstore._KvPrepared.commit, _objectstore.Lease.check
-    finish = _objectstore._KvDestination.finish
-
-    def finished(self: Any, *args: Any) -> Any:
-        out = finish(self, *args)
-        uploaded.set()
-        return out
-
-    def held_commit(self: Any, manifest: Any) -> None:
-        if where == "after the upload" and not held.is_set():
-            held.set()
-            gate()
-        commit(self, manifest)
-
-    def held_check(self: Any) -> None:
-        check(self)
-        if where == "after the lease check" and uploaded.is_set() and not held.is_set():
-            held.set()
-            gate()
-
-    monkeypatch.setattr(_objectstore._KvDestination, "finish", finished)
-    monkeypatch.setattr(_objectstore._KvPrepared, "commit", held_commit)
-    monkeypatch.setattr(_objectstore.Lease, "check", held_check)
-
-
-@pytest.mark.parametrize("where", ["after the upload", "after the lease check"])
-def test_a_writer_whose_lease_was_taken_over_commits_nothing(
-    s3_bucket: str, gate: Gate, monkeypatch: pytest.MonkeyPatch, where: str
-) -> None:
-    """Writer A has uploaded step 2 when its expired lease is taken over by writer B, whose start
-    removes A's claimed, uncommitted step. A must not commit it (nor anything later) and must say
-    why; B never lists A's step, and B's own saves work."""
-    url = f"{s3_bucket}/takeover"
-    store = ObjectStore(url, StorageOptions())
-    monkeypatch.setattr(_lease, "LEASE_SECONDS", -1.0)  # A's lease is expired once written
-    # B stands for a writer on another host: not this process's graceful takeover.
-    monkeypatch.setattr(takeover, "take_over", lambda key, manager: None)
-    a = CheckpointManager(url)
-    try:
-        a.save(1, {"state": state(1)})
-        a.wait_until_finished()
-        hold(where, gate, monkeypatch)
-        a.save(2, {"state": state(2)})
-        assert gate.entered.wait(60)  # step 2 is uploaded and claimed, not committed
-        assert store.list_keys("checkpoint_2/state/")
-        monkeypatch.setattr(_lease, "LEASE_SECONDS", 3600.0)
-        with CheckpointManager(url) as b:  # takes A's lease over, removes A's step 2
-            assert b.all_steps() == [1]
-            assert store.list_keys("checkpoint_2/") == []
-            gate.release.set()
-            with pytest.raises(
-                CommitError, match=r"lease \.cairn\.lock was taken over by \S+:\d+:"
-            ):
-                a.wait_until_finished()
-            assert a.all_steps() == [1]
-            assert f"checkpoint_2/{MANIFEST}" not in store.list_keys("checkpoint_2/")
-            b.reload()
-            assert b.all_steps() == [1]
-            a.save(3, {"state": state(3)})  # a writer that lost its lease commits nothing more
-            with pytest.raises(CommitError, match="commits nothing more") as lost:
-                a.wait_until_finished()
-            assert isinstance(lost.value.__cause__, DirectoryLockedError)
-            a.close()  # leaves B's lease alone
-            for step in (2, 3, 4):
-                b.save(step, {"state": state(step)})
-            b.wait_until_finished()
-            assert b.all_steps() == [1, 2, 3, 4]
-        with CheckpointManager(url, read_only=True) as reader:
-            assert reader.all_steps() == [1, 2, 3, 4]
-            for step in (1, 2, 3, 4):
-                assert_tree_equal(reader.restore(step, fallback=False)["state"], state(step))
-    finally:
-        gate.release.set()
-        a.close()
-
-
 @pytest.mark.parametrize("removed", ["the claim", "the claimed prefix"])
 def test_a_save_whose_claim_was_removed_commits_nothing(
     s3_bucket: str, gate: Gate, monkeypatch: pytest.MonkeyPatch, removed: str
@@ -472,29 +317,6 @@ def test_a_save_whose_claim_was_removed_commits_nothing(
         a.save(1, {"state": state(1), "x": "second"})  # the lease is intact: saves go on
         a.wait_until_finished()
         assert a.all_steps() == [1] and a.restore(1)["x"] == "second"
-
-
-@pytest.mark.parametrize("change", ["delete", "record_metrics", "save"])
-def test_a_writer_that_lost_its_lease_changes_nothing(change: str) -> None:
-    """Not only commits check the lease: a delete and late metrics by a writer whose lease
-    another writer took over raise DirectoryLockedError and change nothing, as a save does."""
-    url = f"memory://lost-{change}-{os.getpid()}-{time.monotonic_ns()}"
-    with CheckpointManager(url, async_save=False) as mgr:
-        mgr.save(1, {"state": {"w": np.arange(3)}, "extra": {"x": 1}}, metrics={"loss": 1.0})
-        store = put_lease(url, "elsewhere:123:abcdef01", time.time() + 600)  # taken over
-        before = {k: store.read(k) for k in store.list_keys() if k != LOCK}
-        with pytest.raises((DirectoryLockedError, CommitError), match="lease"):
-            if change == "delete":
-                mgr.delete(1)
-            elif change == "record_metrics":
-                mgr.record_metrics(1, {"eval": 2.0})
-            else:
-                mgr.save(2, {"state": {"w": np.arange(3)}, "extra": {"x": 2}})
-        after = {k: store.read(k) for k in store.list_keys() if k != LOCK}
-        assert after == before
-        assert lease_of(store)["owner"] == "elsewhere:123:abcdef01"
-        with contextlib.suppress(DirectoryLockedError, CommitError):
-            mgr.close()
 
 
 # ---------------------------------------------------------------------------- issue 43, point 7

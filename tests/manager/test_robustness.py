@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import shutil
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from treeutil import assert_tree_equal
+from support.treeutil import assert_tree_equal
 
 from cairn.handlers import FileRecord, InMemoryHandler, JsonHandler, NumpyTreeHandler
 from cairn.handlers.io import BACKGROUND_NICE
@@ -25,7 +23,6 @@ from cairn.manager import (
     MismatchError,
     StepNotFoundError,
 )
-from cairn.manager._storage import posix as _posix
 
 
 def test_step_deleted_by_hand_does_not_stall_retention(tmp_path: Path) -> None:
@@ -60,19 +57,6 @@ def test_unreadable_manifest_is_a_corrupt_step_not_a_failed_open(tmp_path: Path)
             assert mgr.restore() == {"s": [1]}
 
 
-def test_failed_open_releases_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the constructor fails after locking, the directory is not left locked."""
-
-    def broken(*args: Any) -> None:
-        raise OSError("cleanup failed")
-
-    monkeypatch.setattr(_posix.PosixStorage, "clean_leftovers", broken)
-    with pytest.raises(OSError, match="cleanup failed"):
-        CheckpointManager(tmp_path)
-    monkeypatch.undo()
-    CheckpointManager(tmp_path).close()
-
-
 def test_commit_error_is_kept_even_if_the_step_cannot_be_read_back(tmp_path: Path) -> None:
     """A commit that fails with a broken final directory still reports once and frees the step."""
 
@@ -99,39 +83,6 @@ def test_handler_that_does_not_match_the_manifest(tmp_path: Path) -> None:
         ),
     ):
         mgr.restore()
-
-
-def test_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
-    """A fork-started worker alive after close() does not block the next writer."""
-    mgr = CheckpointManager(tmp_path, async_save=False)
-    go_read, go_write = os.pipe()
-    ready_read, ready_write = os.pipe()
-    with warnings.catch_warnings():  # JAX, if another test started it, warns on any fork
-        warnings.simplefilter("ignore", RuntimeWarning)
-        pid = os.fork()
-    if pid == 0:  # the child (fork hooks have run): report, wait until told, leave without cleanup
-        os.write(ready_write, b"r")
-        os.read(go_read, 1)
-        os._exit(0)
-    try:
-        assert os.read(ready_read, 1) == b"r"
-        mgr.close()
-        CheckpointManager(tmp_path).close()
-    finally:
-        os.write(go_write, b"x")
-        os.waitpid(pid, 0)
-        for fd in (go_read, go_write, ready_read, ready_write):
-            os.close(fd)
-
-
-def test_manager_dropped_without_close_releases_the_lock(tmp_path: Path) -> None:
-    """Garbage-collecting an unclosed writer frees the directory for the next one."""
-    mgr = CheckpointManager(tmp_path, async_save=False)
-    mgr.save(1, {"s": [1]})
-    del mgr
-    gc.collect()
-    with CheckpointManager(tmp_path) as again:
-        assert again.all_steps() == [1]
 
 
 def test_refused_submit_leaves_no_step_in_flight(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Gate
-from treeutil import dir_state
+from support.treeutil import dir_state
 
 from cairn.handlers import InMemoryHandler
 from cairn.manager import CheckpointManager, CorruptCheckpointError

@@ -1,6 +1,6 @@
 """Issue 20, point 8: existing T5X runs resume after the import swap, in both T5X layouts.
 
-The legacy layout is written by tests/t5x_legacy_writer.py (following t5x/checkpoints.py), the
+The legacy layout is written by tests/support/t5x_legacy_writer.py (following t5x/checkpoints.py), the
 Orbax layout by the real orbax-checkpoint package with T5X's step names and items.
 """
 
@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import tensorstore as ts
-from t5x_legacy_writer import msgpack_bytes, write_legacy_step
+from support.t5x_legacy_writer import msgpack_bytes, write_legacy_step
 
 from cairn.manager import CorruptCheckpointError, ItemNotFoundError, MismatchError
 from cairn.manager import t5x as checkpoints

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import writer_trainer
-from writer_items import Killer, Raiser
+from support.writer_items import Killer, Raiser
 
 from cairn.handlers import InMemoryHandler
 from cairn.manager import CheckpointManager, KeepLatest

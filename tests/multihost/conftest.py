@@ -1,6 +1,6 @@
 """Where the multi-process tests keep their checkpoints: a local directory (a shared filesystem
 on one machine), a prefix in a real S3 server (moto) and one in a real GCS server
-(fake-gcs-server), each started by the session fixtures of tests/s3util.py and tests/gcsutil.py."""
+(fake-gcs-server), each started by the session fixtures of tests/support/s3util.py and tests/support/gcsutil.py."""
 
 from __future__ import annotations
 

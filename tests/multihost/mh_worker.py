@@ -82,7 +82,7 @@ def per_process_iterators(procs: Any, directory: str) -> None:
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from iterutil import Shuffled, advanced, take
+    from support.iterutil import Shuffled, advanced, take
 
     from cairn.manager import CheckpointManager, KeepLatest
 
@@ -194,7 +194,7 @@ def count_requests(procs: Any, directory: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from countproxy import CountingProxy
+    from support.countproxy import CountingProxy
 
     from cairn.handlers import Destination
     from cairn.manager import CheckpointManager, KeepLatest
@@ -277,7 +277,7 @@ def writer_dies(procs: Any, directory: str) -> None:
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, tests)
     os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
-    from writer_items import Killer  # the writer processes import it too
+    from support.writer_items import Killer  # the writer processes import it too
 
     mgr = CheckpointManager(
         directory, handlers={"boom": Killer()}, barrier_timeout=5, writer="process"

@@ -19,7 +19,7 @@ response body is streamed back in pieces, with the upstream's Content-Length, or
 upstream gave none. A request is recorded before the last byte of its response goes out, so once a
 client has its response, `requests()` includes it.
 
-Command line, for a proxy in a separate process: `python tests/countproxy.py UPSTREAM` prints its
+Command line, for a proxy in a separate process: `python tests/support/countproxy.py UPSTREAM` prints its
 URL as the first line of stdout, and on SIGTERM, SIGINT or end of stdin prints its log, one JSON
 object per request (`parse_log` reads it back), and exits.
 """
@@ -342,7 +342,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python tests/countproxy.py UPSTREAM_URL", file=sys.stderr)
+        print("usage: python tests/support/countproxy.py UPSTREAM_URL", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from crash_writer import PHASES, eval_metric, expected_data, expected_state
-from iterutil import Shuffled, take
-from treeutil import assert_tree_equal
 
 from cairn.manager import CheckpointManager
+from support.iterutil import Shuffled, take
+from support.treeutil import assert_tree_equal
 
-WRITER = Path(__file__).with_name("crash_writer.py")
+WRITER = Path(__file__).parents[1] / "crash_writer.py"  # a worker script, in tests/
 
 
 @dataclasses.dataclass

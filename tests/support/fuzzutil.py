@@ -163,7 +163,7 @@ def write_run(
     """Committed steps with a chunked train state, a JSON item, an iterator's state (arrays,
     bytes and tuples tagged in JSON), metrics, metadata, late metrics, and an item "extra" that
     per-item retention drops from all but the newest step."""
-    from iterutil import Shuffled, advanced
+    from support.iterutil import Shuffled, advanced
 
     with CheckpointManager(root, handlers=handlers, keep_items=KEEP_ITEMS) as mgr:
         for step in steps:
@@ -321,7 +321,7 @@ def t5x_train_state() -> dict[str, Any]:
 
 def build_t5x_template(path: Path) -> Template:
     """Steps in T5X's own layout (manager/_layouts/t5x.py reads them), as T5X writes them."""
-    from t5x_legacy_writer import write_legacy_step
+    from support.t5x_legacy_writer import write_legacy_step
 
     for step in (100, 200):
         write_legacy_step(path / "root", _t5x_state_dict(step), chunk_bytes=256)
@@ -1887,7 +1887,7 @@ _CAIRN_DIRS = tuple(
     for m in (cairn.manager, cairn.handlers)
 )
 _CAIRN_SOURCES = tuple(
-    os.path.realpath(os.path.join(os.path.dirname(__file__), "..", d)) + os.sep
+    os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..", d)) + os.sep
     for d in ("manager", "handlers")
 )
 
@@ -2455,7 +2455,7 @@ def survey(
 
 
 def main(argv: list[str]) -> int:
-    """``python tests/fuzzutil.py FAMILY CASES [SEED]``: a survey in a process of its own (the
+    """``python tests/support/fuzzutil.py FAMILY CASES [SEED]``: a survey in a process of its own (the
     tf.data family: a crash in native code must not take the test run down). Prints one
     ``FAIL <json>`` line per failing case; exit status 1 if there was any."""
     import logging
@@ -2474,4 +2474,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # Run by path (test_fuzz.py): tests/, not tests/support/, holds the `support` package.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main(sys.argv[1:]))

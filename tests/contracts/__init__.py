@@ -1,0 +1,1 @@
+"""Conformance suites, one per protocol: what every storage backend and every handler must do."""
