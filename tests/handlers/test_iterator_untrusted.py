@@ -12,6 +12,7 @@ import collections
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,23 @@ QUICK_SEED, QUICK_COUNT = 2, 16
 
 @pytest.fixture(scope="module")
 def crafted() -> tuple[dict[str, dict[str, str]], str | None]:
-    """The crafted states, then the quick random mutations, in one worker: TensorFlow is
-    imported and the state saved once for both tests."""
+    """The crafted states and the quick random mutations, for both tests, in two workers at
+    once: most of the time goes to the probe processes (each imports TensorFlow) and to the
+    one crafted state that hangs until PROBE_TIMEOUT, and two cores run two. One worker takes
+    the reproduction's byte mutations (the hang among them), the other the rest."""
     quick = f"random:{QUICK_SEED}:{QUICK_COUNT}"
-    return run_worker(*CASES, quick, timeout=600 + QUICK_COUNT * PROBE_TIMEOUT)
+    reproduced = [name for name in CASES if name.startswith("reproduction ")]
+    rest = [name for name in CASES if name not in reproduced]
+    with ThreadPoolExecutor(2) as pool:
+        parts = list(
+            pool.map(
+                lambda cases: run_worker(*cases, timeout=600 + QUICK_COUNT * PROBE_TIMEOUT),
+                [reproduced, [*rest, quick]],
+            )
+        )
+    results = {name: got for part, _ in parts for name, got in part.items()}
+    died = [why for _, why in parts if why is not None]
+    return results, "; ".join(died) or None
 
 
 @pytest.mark.parametrize("name", list(CASES))
