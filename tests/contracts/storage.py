@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,6 +81,16 @@ def extra(step: int) -> dict[str, Any]:
 
 def items(step: int) -> dict[str, Any]:
     return {"state": state(step), "extra": extra(step)}
+
+
+def run_together(*targets: Callable[[], None]) -> None:
+    """Each target on a thread of its own, all started, then joined (a target reports its own
+    errors: a thread's exception would be lost)."""
+    threads = [threading.Thread(target=target) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
 
 
 def check_restored(got: Mapping[str, Any], step: int, *, live: Sequence[str]) -> None:

@@ -35,6 +35,7 @@ from contracts.storage import (
     check_restored,
     items,
     minimal_manifest,
+    run_together,
     state,
     stored_keys,
     write_one_step,
@@ -311,11 +312,7 @@ class StepsContract(StorageContract):
                 errors.append(e)
                 barrier.abort()
 
-        threads = [threading.Thread(target=write), threading.Thread(target=read)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        run_together(write, read)
         assert not errors, errors
         assert len(restored) >= rounds, restored
         assert any(len(names) == 2 for _, names in restored)  # steps whose extra was still live
@@ -375,11 +372,7 @@ class StepsContract(StorageContract):
                     errors.append(e)
                     barrier.abort()
 
-            threads = [threading.Thread(target=write), threading.Thread(target=read)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(600)
+            run_together(write, read)
         assert not errors, errors
         assert seen, "the reader never read while a set was being written"
 
