@@ -101,6 +101,8 @@ def namings(names: Iterable[str]) -> list[tuple[StepNames, list[tuple[int, str]]
             continue
         prefix, number = match.group(1) or "", match.group(2)
         digits = len(number) if number.startswith("0") and len(number) > 1 else None
+        if StepNames(prefix, digits).format(int(number)) != name:  # "_5": no naming writes it
+            continue
         groups.setdefault((prefix, digits), []).append((int(number), name))
     ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
     return [(StepNames(p, d), sorted(steps, reverse=True)) for (p, d), steps in ranked]

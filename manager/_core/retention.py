@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from cairn.manager._core.catalog import Catalog, apply_retention
 from cairn.manager._core.policies import KeepPolicy
-from cairn.manager._format import Manifest, StepNames, namings
+from cairn.manager._format import LOCK, MANIFEST, ROOT_METADATA, Manifest, StepNames, namings
 from cairn.manager._storage.base import Storage
+
+# What a directory that holds a checkpoint holds: cairn's manifest or root files, Orbax's marks.
+_CHECKPOINT_MARKS = {MANIFEST, LOCK, ROOT_METADATA, "commit_success.txt", "_CHECKPOINT_METADATA"}
 
 
 class Retention:
@@ -68,27 +70,36 @@ class Retention:
 
     def delete_directory(self, name: str) -> None:
         """Delete a directory of the root that is no step of this naming (`check_entry_name`
-        checked the name): ValueError, nothing changed, if it is missing, not a directory (a
-        link included), or a step that cairn or orbax-checkpoint committed under another
-        naming (so a step is never deleted around its own manager's retention)."""
+        checked the name). ValueError, nothing changed, if it is missing or empty, not a real
+        directory, a step under any naming (cairn's or orbax-checkpoint's, intact or damaged),
+        or holds a checkpoint: cairn's or Orbax's marks, or step-like directories (another
+        checkpoint directory nested in the root, whose writer may be at work). On an object store
+        the deletion is not atomic: a crash part-way leaves part of the prefix."""
         for naming, [(step, _)] in namings([name]):
-            listed = self._storage.read_step(naming, step)
-            if listed is not None and (listed.manifest is not None or listed.foreign is not None):
-                who = "cairn" if listed.foreign is None else "orbax-checkpoint"
+            if self._storage.read_step(naming, step) is not None:
                 raise ValueError(
-                    f"{name!r} is step {step} that {who} committed (another step naming): "
-                    "delete it with a manager of that naming"
+                    f"{name!r} is step {step} under another naming (step_prefix="
+                    f"{naming.prefix!r}): delete it with a manager of that naming"
                 )
         where = self._storage.location(name)
-        if isinstance(
-            where, Path
-        ):  # on POSIX, only a real directory (an object store's is a prefix)
-            try:
-                is_dir = stat.S_ISDIR(os.lstat(where).st_mode)
-            except FileNotFoundError:
-                raise ValueError(f"there is no directory {name!r} in {where.parent}") from None
-            if not is_dir:
-                raise ValueError(f"{where} is not a directory (a link or a file): not deleted")
+        if isinstance(where, Path) and not os.path.lexists(where):
+            raise ValueError(f"there is no directory {name!r} in {where.parent}")
+        if isinstance(where, Path) and (os.path.islink(where) or not os.path.isdir(where)):
+            raise ValueError(f"{where} is not a directory (a link or a file): not deleted")
+        try:
+            entries = self._storage.view(name).entries()
+        except FileNotFoundError:
+            entries = {}
+        if not entries:
+            raise ValueError(
+                f"there is no directory {name!r} in {self._storage.url} (or it is empty)"
+            )
+        marks = sorted(entries.keys() & _CHECKPOINT_MARKS)
+        nested = sorted(n for n, is_dir in entries.items() if is_dir and namings([n]))
+        if marks or nested:
+            raise ValueError(
+                f"{where} holds a checkpoint ({', '.join((marks + nested)[:3])}): not deleted"
+            )
         reclaim = self._storage.delete_step(name)
         if reclaim is not None:
             self._reclaim(reclaim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ def check_entry_name(name: Any, names: StepNames) -> str:
         or name.startswith(".")
         or any(c in name for c in "/\\\0")
         or not name.isprintable()
-        or len(name) > 255
+        or len(os.fsencode(name)) > 255
     ):
         raise ValueError(
             f"name {name!r:.100} is not a directory delete_directory may delete: one entry of "

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from cairn.handlers import Destination, Source
 from cairn.manager._format import Manifest, StepNames
+from cairn.manager._layouts.base import StepView
 
 Reclaim = Callable[[], None]  # work that frees space after a deletion, run off the commit path
 
@@ -156,6 +157,11 @@ class StepStore(Protocol):
 
     def source(self, name: str, item: str) -> Source:
         """Where a restore reads `item` of step `name` from."""
+        ...
+
+    def view(self, name: str) -> StepView:
+        """A read-only view of the root's entry `name` (`_layouts.base.StepView`): what a
+        foreign layout reads, and what `Retention.delete_directory` looks into first."""
         ...
 
     def foreign_source(self, name: str, item: str) -> Source:

@@ -270,6 +270,10 @@ class KvStorage:
     def source(self, name: str, item: str) -> Source:
         return _KvSource(self, f"{name}/{item}/")
 
+    def view(self, name: str) -> _KvStepView:
+        prefix = f"{name}/"
+        return _KvStepView(self, name, {key[len(prefix) :] for key in self.store.list_keys(prefix)})
+
     def foreign_source(self, name: str, item: str) -> Source:
         """A foreign step's item: downloaded whole on first `local_directory` (see
         `_KvForeignSource`), removed at `release`."""
@@ -671,9 +675,12 @@ class _KvForeignSource(Source):
     def _download(self) -> Path:
         keys = self._storage.store.list_keys(self._prefix)
         rels = [key[len(self._prefix) :] for key in keys]
+        # "state/" keys: the folder markers of tf.io.gfile and cloud consoles, no files
+        markers = {rel.rstrip("/") for rel in rels if rel.endswith("/")} - {""}
+        rels = [rel for rel in rels if rel and not rel.endswith("/")]
         if not rels:
             raise CorruptCheckpointError(f"{self._where}: no object under {self.describe('')}")
-        for rel in rels:
+        for rel in [*rels, *sorted(markers)]:
             try:
                 check_relative(rel)
             except ValueError as e:
@@ -681,7 +688,7 @@ class _KvForeignSource(Source):
                     f"{self._where}: the key {self._prefix + rel!r:.300} is not cairn's to "
                     f"download: {e}"
                 ) from None
-        dirs = {rel.rsplit("/", 1)[0] for rel in rels if "/" in rel}
+        dirs = {rel.rsplit("/", 1)[0] for rel in rels if "/" in rel} | markers
         dirs |= {d.rsplit("/", i)[0] for d in list(dirs) for i in range(1, d.count("/") + 1)}
         clash = sorted(dirs.intersection(rels))
         if clash:
@@ -695,10 +702,14 @@ class _KvForeignSource(Source):
             top.mkdir()
             for d in sorted(dirs):
                 (top / d).mkdir(parents=True, exist_ok=True)
-            with concurrent.futures.ThreadPoolExecutor(
+            pool = concurrent.futures.ThreadPoolExecutor(
                 self.THREADS, thread_name_prefix="cairn-fetch"
-            ) as pool:
-                list(pool.map(lambda rel: self._fetch(rel, top / rel), rels))
+            )
+            try:
+                for future in [pool.submit(self._fetch, rel, top / rel) for rel in rels]:
+                    future.result()
+            finally:  # the first failure stops the rest: nothing more is fetched to be removed
+                pool.shutdown(wait=True, cancel_futures=True)
         except BaseException as e:
             shutil.rmtree(scratch, ignore_errors=True)
             # an object gone meanwhile, a key no local file can be named by: the step's doing;

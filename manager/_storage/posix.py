@@ -196,6 +196,9 @@ class PosixStorage:
     def source(self, name: str, item: str) -> Source:
         return LocalSource(within(self.root, f"{name}/{item}", what=f"step {name}"))
 
+    def view(self, name: str) -> LocalStepView:
+        return LocalStepView(self.root / name)
+
     def foreign_source(self, name: str, item: str) -> Source:
         """An item of a foreign step, read in place."""
         return self.source(name, item)

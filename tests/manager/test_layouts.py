@@ -342,3 +342,14 @@ def test_the_command_line_on_orbax_steps_in_a_bucket(
     )
     assert verify.returncode == 0, verify.stderr
     assert verify.stdout.splitlines()[0] == "step 1: orbax step, no checksums to verify"
+
+
+def test_folder_markers_in_a_bucket_are_directories(orbax_run: Path) -> None:
+    """tf.io.gfile and cloud consoles write zero-byte ``state/`` keys: folders, not files."""
+    url = f"memory://layouts-{os.urandom(6).hex()}/markers"
+    store = upload(orbax_run, url)
+    for key in ("2/", "2/state/", "2/state/d/"):
+        store.write(key, b"")
+    with CheckpointManager(url, read_only=True, step_prefix="") as mgr:
+        assert_tree(mgr.restore(2)["state"], 2)
+        assert downloads(mgr) == []

@@ -18,6 +18,7 @@ from cairn.manager import (
     SupersededError,
     t5x,
 )
+from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 from cairn.manager.speechbrain import Checkpointer
 
 
@@ -104,9 +105,10 @@ def test_delete_directory_deletes_a_foreign_directory_after_pending_commits(
         ("a\nb", ValueError, "one entry"),
         ("x" * 256, ValueError, "one entry"),
         ("cairn_metadata.json", ValueError, "cairn's own"),
+        ("é" * 128, ValueError, "one entry"),  # 256 bytes
         ("checkpoint_1", ValueError, r"step 1 of this manager: delete it with delete\(1\)"),
         ("checkpoint_1.tmp-" + "0123456789abcdef" * 2, ValueError, "a save in progress"),
-        ("ckpt_2", ValueError, "step 2 that cairn committed"),
+        ("ckpt_2", ValueError, "step 2 under another naming"),
         ("gone", ValueError, "there is no directory 'gone'"),
         ("file", ValueError, "is not a directory"),
         ("link", ValueError, "is not a directory"),
@@ -135,6 +137,38 @@ def test_delete_directory_refuses_what_is_not_a_foreign_directory(
     assert (root / "ckpt_2" / "_CHECKPOINT.json").is_file()
 
 
+def test_delete_directory_refuses_a_directory_that_holds_a_checkpoint(tmp_path: Path) -> None:
+    """Whatever its name: another cairn directory nested in the root (its writer at work), a
+    step Orbax marked committed, a step under another naming cairn cannot read (damaged, or of
+    an Orbax item kind cairn does not know), an empty directory. Nothing changes."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"s": _state(1)})
+    nested = CheckpointManager(root / "eval", async_save=False)  # open: holds its lock
+    nested.save(5, {"s": _state(5)})
+    orbax = root / "my.ckpt_5"  # no naming parses it: Orbax's marks tell
+    (orbax / "proto").mkdir(parents=True)
+    (orbax / "proto" / "state.pbtxt").write_text("x")
+    (orbax / "commit_success.txt").write_text("done")
+    unknown = root / "ckpt_6"  # a step-like name cairn reads as a damaged step
+    (unknown / "proto").mkdir(parents=True)
+    (unknown / "proto" / "state.pbtxt").write_text("x")
+    (root / "empty").mkdir()
+    with CheckpointManager(root, async_save=False) as mgr:
+        before = sorted(str(p) for p in root.rglob("*"))
+        for name, match in [
+            ("eval", "holds a checkpoint"),
+            ("my.ckpt_5", r"holds a checkpoint \(commit_success.txt\)"),
+            ("ckpt_6", "step 6 under another naming"),
+            ("empty", "or it is empty"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                mgr.delete_directory(name)
+        assert sorted(str(p) for p in root.rglob("*")) == before
+    nested.save(6, {"s": _state(6)})  # the nested writer goes on
+    nested.close()
+
+
 def test_delete_directory_needs_the_writer(tmp_path: Path) -> None:
     foreign = _foreign(tmp_path)
     with (
@@ -146,17 +180,19 @@ def test_delete_directory_needs_the_writer(tmp_path: Path) -> None:
 
 
 def test_delete_directory_on_an_object_store() -> None:
-    """On an object store the directory is a prefix: its objects go."""
+    """On an object store the directory is a prefix: its objects go; a prefix with no object
+    is no directory."""
     url = f"memory://delete-directory/{uuid.uuid4().hex}"
+    store = ObjectStore(url, StorageOptions())
+    for key in ("CKPT+x/CKPT.yaml", "CKPT+x/net.ckpt", "CKPT+x/sub/a"):
+        store.write(key, b"x")
     with CheckpointManager(url, async_save=False) as mgr:
         mgr.save(1, {"s": _state(1)})
-        with CheckpointManager(url + "/other", async_save=False) as inner:
-            inner.save(4, {"s": _state(4)})
-        mgr.delete_directory("other")
-        mgr.reload()
+        mgr.delete_directory("CKPT+x")
+        with pytest.raises(ValueError, match="there is no directory 'CKPT"):
+            mgr.delete_directory("CKPT+x")
         assert mgr.all_steps() == [1]
-    with CheckpointManager(url + "/other", read_only=True) as inner:
-        assert inner.all_steps() == []
+    assert not [k for k in store.list_keys() if k.startswith("CKPT+x")]
 
 
 # ---------------------------------------------------------------------------- SpeechBrain

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +26,8 @@ from cairn.manager._surfaces.t5x.state import (
     _is_target,
     _read_state,
 )
+
+log = logging.getLogger("cairn")
 
 PREFIX = "checkpoint"
 NAMES = StepNames(PREFIX)  # checkpoint_<step>, as every manager here names T5X's steps
@@ -68,20 +70,25 @@ def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
 
 def _cairn_steps(root: Path) -> dict[int, StepInfo]:
     """The steps a read-only manager lists and can describe, by step (a damaged step is left
-    out, as T5X leaves out a directory without its ``checkpoint`` file; a step T5X wrote has no
-    manifest either). The manager waits for the saves a writer of this process accepted (read
+    out with a warning, as T5X leaves out a directory without its ``checkpoint`` file; a step
+    T5X wrote has no manifest either). The manager waits for the saves a writer of this process accepted (read
     your writes: T5X's save is synchronous)."""
     if not root.is_dir():
         return {}
     try:
         mgr = CheckpointManager(root, read_only=True, step_prefix=PREFIX)
-    except ValueError:  # steps under another naming only: none of T5X's names
+    except ValueError as e:  # steps under another naming only: none of T5X's names
+        if isinstance(e, CairnError):  # damage, not a naming: the caller must hear of it
+            raise
         return {}
     found = {}
     with mgr:
         for step in mgr.all_steps():
-            with contextlib.suppress(CairnError):
+            try:
                 found[step] = mgr.info(step)
+            except CairnError as e:
+                if not legacy.is_legacy_step(root / NAMES.format(step)):
+                    log.warning("cairn.t5x: step %d in %s is left out: %s", step, root, e)
     return found
 
 
@@ -132,6 +139,12 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> str:
         root = candidate
         if step is None and NAMES.parse(candidate.name) is not None:  # a checkpoint directory
             root, step = candidate.parent, NAMES.parse(candidate.name)
+        elif step is None and any(n.prefix == PREFIX for n, _ in namings([candidate.name])):
+            padded = get_step_from_checkpoint_dir(candidate)[1]  # checkpoint_007
+            raise ValueError(
+                f"Path is not a valid checkpoint: {text} (zero-padded step names are not read; "
+                f"rename it {NAMES.format(padded)} or open a CheckpointManager with step_digits)"
+            )
         committed = _committed(root)
         if step is None:
             if not committed:
