@@ -256,7 +256,10 @@ class TrainStateHandler:
                 node["saved_from"] = dtype_name(src_dtype)
             return node
 
-        tree = encode(obj, leaf, pytrees=True)
+        try:
+            tree = encode(obj, leaf, pytrees=True)
+        finally:  # `leaf` calls itself: a cycle through its cell that would keep `leaves`, and
+            del leaf  # so views of the arrays (which JAX then will not donate), until a gc pass
         for pieces, at, coming, data in transfers:  # every transfer started: wait for each
             try:
                 host = np.asarray(coming)

@@ -109,6 +109,33 @@ def test_with_the_pool_the_next_step_donates_while_the_save_is_in_flight(
         del new_state
 
 
+def test_a_committed_save_keeps_nothing_of_the_state_alive_without_a_gc_pass(
+    tmp_path: Path,
+) -> None:
+    """With the collector off, a save that viewed the state (the first) lets go of it when it
+    commits: no reference cycle keeps those views, so a later save of the same arrays copies into
+    the pool and the donating step right after it donates (docs/reference.md shows this)."""
+    import gc
+
+    train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 2, s), donate_argnums=0)
+    gc.collect()
+    gc.disable()
+    try:
+        with CheckpointManager(tmp_path) as mgr:
+            state = jax_state()
+            mgr.save(0, {"state": state})  # views; the pool warms
+            mgr.wait_until_finished()
+            mgr.save(1, {"state": state})  # the same arrays, copied into the pool
+            new_state = train_step(state)
+            assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state)), (
+                "JAX declined to donate: something from a committed save still views the state"
+            )
+            mgr.wait_until_finished()
+            del new_state
+    finally:
+        gc.enable()
+
+
 def test_zero_copy_keeps_views_and_jax_declines_the_donation(tmp_path: Path, gate: Gate) -> None:
     """zero_copy=True: no staging memory, and the buffers stay the checkpoint's until it commits."""
     train_step = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
