@@ -74,7 +74,7 @@ class Retention:
         directory, a step under any naming (cairn's or orbax-checkpoint's, intact or damaged),
         or holds a checkpoint: cairn's or Orbax's marks, or step-like directories (another
         checkpoint directory nested in the root, whose writer may be at work). On an object store
-        the deletion is not atomic: a crash part-way leaves part of the prefix."""
+        the prefix is marked first: what a crash part-way leaves, the next writer removes."""
         for naming, [(step, _)] in namings([name]):
             if self._storage.read_step(naming, step) is not None:
                 raise ValueError(

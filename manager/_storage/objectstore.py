@@ -283,8 +283,8 @@ class KvStorage:
 
     def clean_leftovers(self, names: StepNames) -> list[str]:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
-        lease), and steps whose deletion a crash interrupted before their manifest went; a
-        step committed meanwhile stays."""
+        lease), and steps (or directories, `delete_directory`'s) whose deletion a crash
+        interrupted; a step committed meanwhile stays."""
         keys = self.store.list_keys()
         removed = [key for key in keys if key.startswith(SYNC_PREFIX)]
         self.store.delete_keys(removed)  # meetings of writer processes that crashed
@@ -300,6 +300,14 @@ class KvStorage:
             if (data is None or data.startswith(_CLAIM_TAG)) and _take_and_remove(
                 self.store, name, generation
             ):
+                removed.append(name)
+        # Directories that are no step of this naming (`delete_directory`'s, another naming's
+        # step) whose deletion a crash interrupted: their claim says so, their rest goes.
+        for name in sorted({k.partition("/")[0] for k in keys if k.partition("/")[2] == CLAIM}):
+            if names.parse(name) is None and self.store.read(f"{name}/{CLAIM}") == _DELETING:
+                log.info("cairn: finishing the deletion of %s/%s", self.url, name)
+                self.store.delete(f"{name}/{MANIFEST}")
+                self.finish_deletion(name)
                 removed.append(name)
         return removed
 

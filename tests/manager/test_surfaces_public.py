@@ -195,6 +195,26 @@ def test_delete_directory_on_an_object_store() -> None:
     assert not [k for k in store.list_keys() if k.startswith("CKPT+x")]
 
 
+def test_a_directory_deletion_a_crash_cut_short_is_finished_by_the_next_writer() -> None:
+    """delete_directory marks the prefix first (a `.claim` saying "deleting"): what a crash
+    part-way leaves is removed when the next writer opens the directory; a prefix whose `.claim`
+    says anything else is not ours, and stays."""
+    url = f"memory://delete-directory/{uuid.uuid4().hex}"
+    store = ObjectStore(url, StorageOptions())
+    for key in ("CKPT+x/net.ckpt", "CKPT+x/sub/a", "CKPT+x/zz"):
+        store.write(key, b"x")
+    store.write("CKPT+x/.claim", b"deleting")  # the mark, and the rest a crash left
+    store.write("other/.claim", b"someone else's")
+    store.write("other/data", b"x")
+    before = sorted(store.list_keys())
+    with CheckpointManager(url, read_only=True):
+        pass
+    assert sorted(store.list_keys()) == before  # a reader removes nothing
+    with CheckpointManager(url, async_save=False) as mgr:
+        assert mgr.all_steps() == []
+    assert sorted(store.list_keys()) == ["other/.claim", "other/data"]
+
+
 # ---------------------------------------------------------------------------- SpeechBrain
 
 
