@@ -25,12 +25,9 @@ lint: install
 	$(BIN)/mypy -p cairn.manager -p cairn.handlers
 
 # Two workers (this machine's 2 cores), a test file each at a time: its module fixtures (the
-# moto and fake-gcs servers, TensorFlow) are built once. Then the doc snippets alone: one asserts
-# that JAX donates a state save() copied, which a loaded machine has once failed to show (under
-# study). About 14 minutes here, 18 in one process.
+# moto and fake-gcs servers, TensorFlow) are built once. About 12 minutes here, 20 in one process.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --ignore=tests/test_docs.py
-	$(BIN)/python -m pytest -q tests/test_docs.py
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 soak: install lower-bounds
 	$(BIN)/python -m pytest -q -m slow

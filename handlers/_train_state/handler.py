@@ -191,9 +191,12 @@ class TrainStateHandler:
         transfers: list[tuple[list[Any], int, Any, Any]] = []  # pieces, at, coming, shard data
 
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
+            # Not recursive: a closure that calls itself is a reference cycle, which would keep
+            # `leaves`, so views of the arrays (which JAX then will not donate), until a gc pass.
+            prng = None
             if isinstance(x, jax_array) and _Keys.of(x.dtype):  # typed PRNG keys: their data
-                impl = _Keys.impl_of(x, path)
-                return {**leaf(jax.random.key_data(x), path), "prng": impl}  # type: ignore[union-attr]
+                prng = _Keys.impl_of(x, path)
+                x = jax.random.key_data(x)  # type: ignore[union-attr]
             index = len(leaves)
             if isinstance(x, jax_array):
                 shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
@@ -254,12 +257,11 @@ class TrainStateHandler:
             }
             if dtype != src_dtype:
                 node["saved_from"] = dtype_name(src_dtype)
+            if prng is not None:
+                node["prng"] = prng
             return node
 
-        try:
-            tree = encode(obj, leaf, pytrees=True)
-        finally:  # `leaf` calls itself: a cycle through its cell that would keep `leaves`, and
-            del leaf  # so views of the arrays (which JAX then will not donate), until a gc pass
+        tree = encode(obj, leaf, pytrees=True)
         for pieces, at, coming, data in transfers:  # every transfer started: wait for each
             try:
                 host = np.asarray(coming)
