@@ -157,70 +157,96 @@ class StagingPool:
         free = sum(s.nbytes for slabs in self._free.values() for s in slabs)
         return self._in_use + free + sum(n for _, n in self._warming.values())
 
-    def lease(self, key: str, nbytes: int, *, now: bool = False) -> Lease | None:
-        """A faulted-in slab of at least `nbytes` for item `key`, or None: keep views this time.
+    def lease(self, key: str, nbytes: int) -> Lease | None:
+        """A slab of at least `nbytes` for item `key`, or None: keep views this time.
 
-        None when the pool copies nothing (`zero_copy`), is closed, is still faulting in a slab of
-        that size (the first save of a state), or would exceed `max_bytes`. A free slab more than
-        a quarter larger than needed (the state shrank) is freed and a fitting one warmed instead.
-        With `now` (a snapshot that copies its arrays anyway: NumPy leaves), a new slab is mapped
-        at once instead of warmed, and the copy into it faults it in, as a copy into fresh arrays
-        would have.
+        A free slab that fits is lent as it is (faulted in: a memcpy). Without one, a slab being
+        faulted in for `key` (`prepare`) is waited for; else a new one is mapped at once, and the
+        copy into it faults it in (huge pages asked for), which costs save() less than the fresh
+        arrays a train step allocates when JAX declines to donate a viewed state (bench/
+        bench_overhead.py, "first save"). A free slab more than a quarter larger than needed (the
+        state shrank) is freed. None when the pool copies nothing (`zero_copy`), is closed, or
+        would exceed `max_bytes`.
         """
         if self.zero_copy or nbytes <= 0:
             return None
-        with self._lock:
-            if self._closed:
-                return None
-            # Free slabs of another size go: the state changed size (a slab that a save in
-            # flight then gives back later goes at the next lease).
-            fitting = self._free[key] = [
-                slab for slab in self._free.get(key, []) if nbytes <= slab.nbytes <= _fits(nbytes)
-            ]
-            if fitting:
-                slab = fitting.pop()
-                self._in_use += slab.nbytes
-                return Lease(self, key, slab)
-            if key in self._warming:
-                return None
-            size = max(PAGE, round_up(nbytes))  # a Slab's
-            if self.max_bytes is not None:
-                for other in list(self._free):  # make room from other items' spare slabs first
-                    if self._held() + size <= self.max_bytes:
-                        break
-                    self._free[other] = []
-                if self._held() + size > self.max_bytes:
-                    if not self._warned:
-                        self._warned = True
-                        log.warning(
-                            "cairn: item %r needs %d bytes of staging memory, beyond "
-                            "max_staging_bytes=%d with %d held; this save is not staged: "
-                            "it keeps views of arrays on the CPU (JAX will not donate them "
-                            "until the commit ends) and, with writer='process', sends the "
-                            "arrays' bytes through the writer's socket",
-                            key,
-                            nbytes,
-                            self.max_bytes,
-                            self._held(),
-                        )
+        while True:
+            with self._lock:
+                if self._closed:
                     return None
-            if now or self.shared:  # the writer process cannot read views: copy now
-                slab = Slab(nbytes, shared=self.shared)
-                self._in_use += slab.nbytes
-                return Lease(self, key, slab)
+                slab = self._fitting(key, nbytes, take=True)
+                if slab is not None:
+                    self._in_use += slab.nbytes
+                    return Lease(self, key, slab)
+                warming = self._warming.get(key)
+                if warming is None:
+                    if not self._room(key, max(PAGE, round_up(nbytes)), warn=True):
+                        return None
+                    slab = Slab(nbytes, shared=self.shared)
+                    self._in_use += slab.nbytes
+                    return Lease(self, key, slab)
+            warming[0].join()  # then take what it prepared, if it fits
+
+    def prepare(self, key: str, nbytes: int) -> None:
+        """Fault in a slab of `nbytes` for item `key`'s next save, on a background thread
+        (``cairn-stage``): after a restore, which knows the state's size before its first
+        save. Nothing if a fitting slab is free or being prepared, or there is no room."""
+        if self.zero_copy or nbytes <= 0:
+            return
+        with self._lock:
+            if self._closed or key in self._warming or self._fitting(key, nbytes) is not None:
+                return
+            size = max(PAGE, round_up(nbytes))
+            if not self._room(key, size, warn=False):
+                return
             thread = threading.Thread(
                 target=self._warm, args=(key, nbytes), name="cairn-stage", daemon=True
             )
             self._warming[key] = (thread, size)  # counted as held from now on
             thread.start()
+
+    def _fitting(self, key: str, nbytes: int, *, take: bool = False) -> Slab | None:
+        """A free slab of `key` that fits `nbytes` (taken with `take`); the free slabs of `key`
+        of another size are freed: the state changed size (a slab that a save in flight gives
+        back later goes at the next call). Under the lock."""
+        fitting = self._free[key] = [
+            slab for slab in self._free.get(key, []) if nbytes <= slab.nbytes <= _fits(nbytes)
+        ]
+        if not fitting:
             return None
+        return fitting.pop() if take else fitting[-1]
+
+    def _room(self, key: str, size: int, *, warn: bool) -> bool:
+        """Whether `size` more bytes fit in `max_bytes`, other items' free slabs freed first to
+        make room; `warn` logs, once per pool, why a save is not staged. Under the lock."""
+        if self.max_bytes is None:
+            return True
+        for other in list(self._free):
+            if self._held() + size <= self.max_bytes:
+                break
+            self._free[other] = []
+        if self._held() + size <= self.max_bytes:
+            return True
+        if warn and not self._warned:
+            self._warned = True
+            log.warning(
+                "cairn: item %r needs %d bytes of staging memory, beyond max_staging_bytes=%d "
+                "with %d held; this save is not staged: it keeps views of arrays on the CPU "
+                "(JAX will not donate them until the commit ends) and, with writer='process', "
+                "sends the arrays' bytes through the writer's socket",
+                key,
+                size,
+                self.max_bytes,
+                self._held(),
+            )
+        return False
 
     def _warm(self, key: str, nbytes: int) -> None:
         lower_thread_priority()
         try:
-            slab = Slab(nbytes)
+            slab = Slab(nbytes, shared=self.shared)
             slab.populate()
-        except (OSError, MemoryError) as e:  # no memory for it: saves keep views
+        except (OSError, MemoryError) as e:  # no memory for it: the save maps its own
             log.warning("cairn: could not prepare %d bytes of staging memory: %s", nbytes, e)
             slab = None
         with self._lock:

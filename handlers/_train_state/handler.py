@@ -228,12 +228,7 @@ class TrainStateHandler:
                 shared = True
                 owned = False  # the caller's own array: copied before save() returns
                 kind = "npscalar" if isinstance(x, np.generic) else "numpy"
-            src_dtype = src_dtype.newbyteorder("<") if src_dtype.byteorder == ">" else src_dtype
-            dtype = self._stored_dtype(path, src_dtype)
-            whole_rows = bool(shape) and region_shape[:1] == shape[:1]
-            chunk = _choose_chunk(
-                region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows
-            )
+            src_dtype, dtype, chunk = self._geometry(path, shape, src_dtype, region_shape)
             leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared, owned))
             if kind == "jax":
                 leaves[-1].ref = weakref.ref(x)
@@ -278,15 +273,13 @@ class TrainStateHandler:
             for kept, files in _unchanged(leaves, staging[0].recall(staging[1])):
                 kept.known = files  # linked at write time, or written from these views
         if staging is not None:  # inside a manager's save(): its pool, if it has room
-            # Nothing to view (NumPy leaves only): they are copied anyway, so into a slab now.
-            copies_anyway = not any(kept.sources for kept in leaves)
             packed, shared = self.layout == "packed", staging[0].shared
             placed, size = _stage_layout(leaves, packed=packed, owned=shared)
             if any(kept.known is not None for kept in leaves):
                 # A slab for the whole state all the same: the next save may change every leaf,
                 # and a pool that shrank would fault a new one in then.
                 size = _stage_layout(leaves, known=True, packed=packed, owned=shared)[1]
-            lease = staging[0].lease(staging[1], size, now=copies_anyway)
+            lease = staging[0].lease(staging[1], size)
         copying = None
         if lease is not None:
             try:
@@ -301,6 +294,61 @@ class TrainStateHandler:
         if staging is not None and staging[0].remembers and self.layout == "packed":
             previous = staging[0].recall_chunks(staging[1])
         return _StateSnapshot(self, tree, leaves, lease, staging, previous, copying)
+
+    def staging_bytes(self, obj: Any, *, shared: bool = False) -> int:
+        """The staging memory a manager's save of `obj` copies into, in bytes (0: none), laid
+        out as `snapshot` lays it out, from shapes, dtypes and shardings alone: no array is read,
+        copied or moved. After a restore the manager prepares its pool with it, so that the
+        first save costs what a later one does. `shared`: a writer process's pool, which also
+        stages the host copies of arrays on an accelerator."""
+        leaves: list[_Leaf] = []
+        jax = sys.modules.get("jax")
+        jax_array = jax.Array if jax is not None else ()
+
+        def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
+            regions: list[tuple[slice, ...]]
+            if isinstance(x, jax_array) and _Keys.of(x.dtype):  # a few bytes: as one piece
+                x = jax.eval_shape(jax.random.key_data, x)  # type: ignore[union-attr]
+            if isinstance(x, jax_array):
+                shape = tuple(x.shape)
+                regions = [
+                    _full_index(s.index, shape) for s in x.addressable_shards if s.replica_id == 0
+                ]
+                # host arrays are viewed, then copied into the pool; an accelerator's are
+                # copied to the host, which a writer process's pool stages too
+                owned = any(d.platform not in _HOST_PLATFORMS for d in x.devices())
+            else:  # NumPy arrays, lazily restored leaves, scalars: their shape, nothing read
+                arr = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+                shape, owned = tuple(arr.shape), False
+                regions = [tuple(slice(0, n) for n in shape)]
+            region_shape = tuple(sl.stop - sl.start for sl in regions[0]) if regions else shape
+            src = _storable(np.dtype(x.dtype), path)
+            _, dtype, chunk = self._geometry(path, shape, src, region_shape)
+            empty = np.empty((), dtype)  # broadcast to each region's shape: no memory
+            pieces = [
+                (r, np.broadcast_to(empty, tuple(sl.stop - sl.start for sl in r))) for r in regions
+            ]
+            leaves.append(_Leaf(len(leaves), path, shape, dtype, chunk, pieces, [], True, owned))
+            return {}
+
+        encode(obj, leaf, pytrees=True)
+        packed = self.layout == "packed"
+        return _stage_layout(leaves, known=True, packed=packed, owned=shared)[1]
+
+    def _geometry(
+        self,
+        path: KeyPath,
+        shape: tuple[int, ...],
+        src_dtype: np.dtype,
+        region_shape: tuple[int, ...],
+    ) -> tuple[np.dtype, np.dtype, tuple[int, ...]]:
+        """(source dtype, little-endian; stored dtype; chunk shape) of a leaf whose pieces have
+        `region_shape`: what `snapshot` and `staging_bytes` lay out alike."""
+        src_dtype = src_dtype.newbyteorder("<") if src_dtype.byteorder == ">" else src_dtype
+        dtype = self._stored_dtype(path, src_dtype)
+        whole_rows = bool(shape) and region_shape[:1] == shape[:1]
+        chunk = _choose_chunk(region_shape, dtype.itemsize, self.chunk_bytes, whole_rows=whole_rows)
+        return src_dtype, dtype, chunk
 
     def _stored_dtype(self, path: KeyPath, dtype: np.dtype) -> np.dtype:
         if self.save_dtype is None or not _is_float(dtype):

@@ -482,13 +482,17 @@ class CheckpointManager:
             if best is None:
                 metric, _ = self._options.required_best_rule()
                 raise StepNotFoundError(f"no step in {self._where} has metric {metric!r}")
-            return self._reader.restore(best, wanted)
-        if step is None:
-            return self._reader.restore_newest(wanted, fallback)
-        step = as_step(step)
-        if step not in self.all_steps():
-            raise StepNotFoundError(self._reader.missing(step))
-        return self._reader.restore(step, wanted)
+            restored = self._reader.restore(best, wanted)
+        elif step is None:
+            restored = self._reader.restore_newest(wanted, fallback)
+        else:
+            step = as_step(step)
+            if step not in self.all_steps():
+                raise StepNotFoundError(self._reader.missing(step))
+            restored = self._reader.restore(step, wanted)
+        if not self._read_only:
+            _prepare_staging(self._staging, self._options.handlers, restored)
+        return restored
 
     def verify(
         self,
@@ -651,6 +655,23 @@ class CheckpointManager:
             )
         if self._commits.closed:
             raise RuntimeError(f"{what}: this manager of {self._where} is closed")
+
+
+def _prepare_staging(
+    pool: StagingPool, handlers: Mapping[str, Handler], restored: Mapping[str, Any]
+) -> None:
+    """After a restore: the staging memory that each restored state's next save copies into,
+    faulted in on a background thread (`StagingPool.prepare`), so that a restarted job's first
+    save costs what a later one does. The size comes from the handler's ``staging_bytes``
+    (`TrainStateHandler`'s); a state whose size cannot be told is left to its first save."""
+    for name, obj in restored.items():
+        try:
+            handler = handlers.get(name) or handler_for(obj)
+            size = getattr(handler, "staging_bytes", None)
+            if size is not None:
+                pool.prepare(name, size(obj, shared=pool.shared))
+        except Exception as e:  # costs the first save a fault-in, never the restore
+            log.debug("cairn: no staging memory prepared for item %r: %r", name, e)
 
 
 def _open_for_writing(storage: Storage, o: Options, reader: Reader) -> None:

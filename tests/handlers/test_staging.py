@@ -49,32 +49,30 @@ def aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
 # ----------------------------------------------------------------------------- the pool
 
 
-def test_first_lease_warms_then_the_same_slab_comes_back() -> None:
+def test_the_first_lease_maps_a_slab_and_the_same_slab_comes_back() -> None:
     pool = StagingPool()
-    assert pool.lease("state", 5 * MiB) is None  # being faulted in: keep views this time
-    pool.wait()
-    lease = pool.lease("state", 5 * MiB)
+    lease = pool.lease("state", 5 * MiB)  # mapped now: the copy into it faults it in
     assert lease is not None
     slab = lease.slab
     assert slab.nbytes >= 5 * MiB and slab.array.ctypes.data % PAGE == 0
     assert pool.held_bytes() == slab.nbytes
-    assert pool.lease("state", 5 * MiB) is None  # in use: a second one is warmed
-    pool.wait()
+    second = pool.lease("state", 5 * MiB)  # in use: a second one (two saves in flight)
+    assert second is not None and second.slab is not slab
+    assert pool.held_bytes() == 2 * slab.nbytes
     lease.release()
     lease.release()  # idempotent
     again = pool.lease("state", 5 * MiB)
-    assert again is not None and again.slab.nbytes == slab.nbytes
-    assert pool.held_bytes() == 2 * slab.nbytes  # two saves in flight (max_pending=2) need both
+    assert again is not None and again.slab is slab
+    assert pool.held_bytes() == 2 * slab.nbytes
     pool.close()
     again.release()
+    second.release()
     assert pool.held_bytes() == 0
     assert pool.lease("state", 5 * MiB) is None  # closed
 
 
 def test_a_dropped_lease_goes_back_to_the_pool() -> None:
     pool = StagingPool()
-    pool.lease("x", MiB)
-    pool.wait()
     lease = pool.lease("x", MiB)
     assert lease is not None
     slab = lease.slab
@@ -86,62 +84,81 @@ def test_a_dropped_lease_goes_back_to_the_pool() -> None:
 def test_the_pool_shrinks_with_the_state_and_keeps_items_apart() -> None:
     pool = StagingPool()
     for key, size in (("big", 40 * MiB), ("small", MiB)):
-        pool.lease(key, size)
-        pool.wait()
         pool.lease(key, size).release()  # type: ignore[union-attr]
     held = pool.held_bytes()
     assert 41 * MiB <= held <= 41 * MiB + 8 * MiB
-    assert pool.lease("big", 10 * MiB) is None  # far smaller: the 40 MiB slab is freed
-    pool.wait()
-    assert pool.held_bytes() <= 10 * MiB + MiB + 8 * MiB
-    lease = pool.lease("big", 10 * MiB)
+    lease = pool.lease("big", 10 * MiB)  # far smaller: the 40 MiB slab is freed
     assert lease is not None and lease.slab.nbytes < 20 * MiB
+    assert pool.held_bytes() <= 10 * MiB + MiB + 8 * MiB
 
 
 def test_max_bytes_keeps_views_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     pool = StagingPool(max_bytes=4 * MiB)
-    pool.lease("a", 3 * MiB)
-    pool.wait()
+    pool.lease("a", 3 * MiB).release()  # type: ignore[union-attr]
+    b = pool.lease("b", 3 * MiB)  # 3 + 3 > 4: a's spare slab is freed to make room
+    assert b is not None and pool.held_bytes() <= 4 * MiB
     with caplog.at_level(logging.WARNING, logger="cairn"):
-        assert pool.lease("b", 3 * MiB) is None  # 3 + 3 > 4: b keeps views, a's spare is freed
-    pool.wait()
-    assert pool.held_bytes() <= 4 * MiB
-    assert pool.lease("c", 8 * MiB) is None
-    assert "max_staging_bytes=4194304" in caplog.text
+        assert pool.lease("c", 8 * MiB) is None  # beyond the bound: views
+        assert pool.lease("c", 8 * MiB) is None
+    assert caplog.text.count("max_staging_bytes=4194304") == 1
     assert StagingPool(zero_copy=True).lease("a", MiB) is None
 
 
-def test_slabs_being_faulted_in_count_against_max_bytes() -> None:
-    """Two items of 6 MiB under a bound of 8: the second keeps views at every save. (A slab
-    being faulted in was not counted, so both were warmed at the first save and then both
-    leased at every save: 12 MiB held.)"""
+def test_slabs_being_prepared_count_against_max_bytes() -> None:
+    """Two items of 6 MiB under a bound of 8: the second keeps views at every save, and is
+    never prepared."""
     pool = StagingPool(max_bytes=8 * MiB)
-    assert pool.lease("p", 6 * MiB) is None  # faulted in from now on, and counted
+    pool.prepare("p", 6 * MiB)  # faulted in from now on, and counted
     assert pool.held_bytes() == 6 * MiB
-    assert pool.lease("q", 6 * MiB) is None  # 6 + 6 > 8: views, nothing warmed
+    assert pool.lease("q", 6 * MiB) is None  # 6 + 6 > 8: views
+    pool.prepare("q", 6 * MiB)  # no room: nothing
     pool.wait()
+    assert pool.held_bytes() == 6 * MiB
     for _ in range(3):
         lease = pool.lease("p", 6 * MiB)
         assert lease is not None
         assert pool.lease("q", 6 * MiB) is None
-        pool.wait()
         assert pool.held_bytes() == 6 * MiB
         lease.release()
+
+
+def test_a_lease_takes_the_slab_being_prepared() -> None:
+    """A save right after prepare() (a restore) waits for the slab being faulted in, or takes
+    it if it is ready: one slab either way, never a second one mapped beside it."""
+    for _ in range(20):
+        pool = StagingPool()
+        pool.prepare("s", 4 * MiB)
+        lease = pool.lease("s", 4 * MiB)
+        assert lease is not None
+        assert pool.held_bytes() == lease.slab.nbytes == 4 * MiB
+        pool.prepare("s", 4 * MiB)  # lent, none free: a second one for the next save
+        pool.wait()
+        assert pool.held_bytes() == 8 * MiB
+        lease.release()
+        pool.prepare("s", 4 * MiB)  # a fitting one is free: nothing more
+        pool.prepare("s", 0)
+        pool.wait()
+        assert pool.held_bytes() == 8 * MiB
+        pool.close()
+        pool.prepare("s", MiB)  # closed: nothing
+        assert pool.held_bytes() == 0
+    views = StagingPool(zero_copy=True)
+    views.prepare("s", MiB)
+    assert views.held_bytes() == 0
 
 
 def test_a_slab_of_the_old_size_given_back_after_the_state_changed_is_freed() -> None:
     """With max_pending=2 a save of the old size can still be in flight when the state shrinks;
     its slab, given back later, must not stay in the pool beside the new one."""
     pool = StagingPool()
-    pool.lease("s", 8 * MiB)
-    pool.wait()
     in_flight = pool.lease("s", 8 * MiB)
     assert in_flight is not None
-    assert pool.lease("s", MiB) is None  # the state shrank: a small slab is faulted in
-    pool.wait()
+    small = pool.lease("s", MiB)  # the state shrank: a small slab
+    assert small is not None and small.slab.nbytes < 8 * MiB
+    small.release()
     in_flight.release()  # the old save ends: its 8 MiB come back
     lease = pool.lease("s", MiB)
-    assert lease is not None and lease.slab.nbytes < 8 * MiB
+    assert lease is not None and lease.slab is small.slab
     assert pool.held_bytes() == lease.slab.nbytes  # the 8 MiB slab is gone
 
 
@@ -298,14 +315,13 @@ def test_a_failed_write_phase_gives_its_slab_back(tmp_path: Path) -> None:
     state = {"w": np.ones((256, 1024), np.float32)}
     handler = TrainStateHandler()
     with staging_for(pool, "state"):
-        handler.snapshot(state)  # warms the pool
-    pool.wait()
-    with staging_for(pool, "state"):
         snap = handler.snapshot(state)
-    assert pool.lease("state", 1) is None  # the only slab is lent to `snap`
+    assert snap._lease is not None
+    slab, size = snap._lease.slab, pool.held_bytes()
     with pytest.raises(OSError, match="No space left"):
         snap.write(Refusing(tmp_path / "item"))
-    assert pool.lease("state", MiB) is not None
+    again = pool.lease("state", size)
+    assert again is not None and again.slab is slab
 
 
 @pytest.mark.parametrize("copy_piece", [None, 4096])
@@ -336,14 +352,8 @@ def test_staged_and_unstaged_snapshots_write_the_same_files(
     plain = handler.snapshot(state).write(tmp_path / "plain")
     pool = StagingPool()
     with staging_for(pool, "s"):
-        first = handler.snapshot(state)
-    if first._copying is not None:  # its slab goes back once its copies end, on the copy pool
-        first._copying.wait()
-    del first
-    pool.wait()
-    with staging_for(pool, "s"):
         snap = handler.snapshot(state)
-    assert pool.lease("s", 1) is None  # the slab is lent: this snapshot is the staged one
+    assert snap._lease is not None  # staged
     assert (snap._copying is not None) == (copy_piece is not None)
     staged = snap.write(tmp_path / "staged")
     assert sorted(r.path for r in plain) == sorted(r.path for r in staged)
