@@ -122,8 +122,8 @@ def test_a_committed_save_keeps_nothing_of_the_state_alive_without_a_gc_pass(
     try:
         with CheckpointManager(tmp_path, zero_copy=True) as mgr:
             state = jax_state()
-            state["key"] = jax.random.key(0)  # a typed PRNG key: the path that recursed
-            mgr.save(0, {"state": state})  # views
+            key = jax.random.key(0)  # a typed PRNG key: the path that recursed
+            mgr.save(0, {"state": {"params": state, "key": key}})  # views
             mgr.wait_until_finished()
             new_state = train_step(state)
             assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state)), (
