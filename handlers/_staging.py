@@ -8,16 +8,18 @@ lazily, 0.3-1 s elsewhere). A copy into memory that is already faulted in costs 
 
 A `StagingPool` belongs to one manager and keeps its buffers (`Slab`s) across saves, one set per
 item name. A slab is an anonymous mapping (page aligned, so chunk files can be written with
-``O_DIRECT``), with transparent huge pages asked for, faulted in once, by a background thread
-(``cairn-stage``), the first time a state of that size is saved; that first save keeps views
-instead. The pool holds at most what is in flight (``max_pending`` states per item, as the
+``O_DIRECT``), with transparent huge pages asked for (the train step's own buffers get 4 KiB
+pages, whose faults cost several times more here), and faulted in once: by the copy of the first
+save of a state of that size, or beforehand, in the background (`prepare`, ``cairn-stage``), when
+the size is known before that save (after a restore). The pool holds at most what is in flight (``max_pending`` states per item, as the
 manager never snapshots more) and at most `max_bytes` (slabs being faulted in count), frees an
 item's slabs of another size at the next lease once its state changed size, and frees
 everything at `close`.
 
 Threads: `lease` runs on the caller's thread (inside ``save()``); a `Lease` is released by the
-write phase on the commit thread, or when its snapshot is dropped unwritten; the warm-up runs on
-a thread of its own. One lock guards the pool's lists.
+write phase on the commit thread, or when its snapshot is dropped unwritten; `prepare`'s fault-in
+runs on a thread of its own, which a `lease` of the same item waits for. One lock guards the
+pool's lists.
 """
 
 from __future__ import annotations

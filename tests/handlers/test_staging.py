@@ -607,3 +607,42 @@ def test_arrays_changed_after_save_returns_are_not_in_the_step(
             got = mgr.restore(step)["state"]
             for key, value in want.items():
                 np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=f"{step} {key}")
+
+
+# ----------------------------------------------------------------------- the pool after restore()
+
+
+def test_restore_prepares_the_pool_for_the_first_save(tmp_path: Path) -> None:
+    """A restarted job: restore() faults in the staging memory of the restored state in the
+    background (as `staging_bytes` lays it out), and the first save copies into that slab, so
+    no second one is mapped; a state of another size then frees it. A reader, and a manager
+    with zero_copy=True, prepare nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn.manager import CheckpointManager
+
+    state = {"w": jnp.ones((512, 1024)), "b": np.arange(10.0), "k": jax.random.key(1)}
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(0, {"state": state, "meta": {"epoch": 1}})
+    expected = TrainStateHandler().staging_bytes(state)
+    assert expected > 2 * MiB
+    for options in ({"read_only": True}, {"zero_copy": True}):
+        with CheckpointManager(tmp_path / "run", **options) as other:  # type: ignore[arg-type]
+            other.restore(0)
+            other.wait_until_finished()
+            assert other._staging.held_bytes() == 0
+    with CheckpointManager(tmp_path / "run") as mgr:
+        restored = mgr.restore(0)["state"]
+        mgr.wait_until_finished()  # waits for the fault-in too
+        held = mgr._staging.held_bytes()
+        assert held == -(-expected // PAGE) * PAGE
+        step = jax.jit(lambda s: {**s, "w": s["w"] + 1}, donate_argnums=0)
+        mgr.save(1, {"state": restored})
+        new = step(restored)
+        assert restored["w"].is_deleted()  # copied into the prepared slab: donated
+        mgr.wait_until_finished()
+        assert mgr._staging.held_bytes() == held  # that slab, not a second one
+        mgr.save(2, {"state": {"w": new["w"][:64]}})  # another size: the slab goes
+        mgr.wait_until_finished()
+        assert mgr._staging.held_bytes() < held
