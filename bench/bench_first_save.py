@@ -12,6 +12,9 @@ per repetition, in rotated order:
   same size), trains for the baseline, then saves: a preempted job's first save after resuming;
 * ``cairn steady``: one long-lived manager that has saved twice before (the staging pool warm);
 * ``orbax first``: a new orbax-checkpoint ``CheckpointManager`` (async), its first save;
+* ``plain-writer``: no checkpointer, the state's bytes (from a pre-faulted buffer) written with
+  ``O_DIRECT`` by 4 threads at nice 19 and fsynced (bench_overhead.PlainWriter): the floor for
+  what any commit that writes beside training costs the steps;
 * the machine's limits for the same bytes, once per repetition: one buffered write + fsync of
   every leaf into one file, and one ``O_DIRECT`` write + fsync (bench_overhead.limits).
 
@@ -56,7 +59,7 @@ from _common import (
 
 X, D = "\u00d7", "\u2013"
 PNG = REPO / "docs" / "benchmarks_first_save.png"
-ROWS = ("cairn first", "cairn after restore", "cairn steady", "orbax first")
+ROWS = ("cairn first", "cairn after restore", "cairn steady", "orbax first", bo.FLOOR_WRITER)
 # (row, what, goal of lost ÷ orbax first, goal of write+fsync ÷ commit)
 TARGETS = (
     ("cairn first", "first save of a new manager", 1.0, 0.9),
@@ -112,6 +115,8 @@ def run_size(label: str, reps: int, baseline_s: float, log: Any) -> dict[str, An
             where = scratch / f"{name.replace(' ', '-')}-{rep}"
             if name == "cairn steady":
                 runner = steady
+            elif name == bo.FLOOR_WRITER:
+                runner = bo.PlainWriter(where, info["bytes"])
             elif name == "cairn after restore":
                 shutil.copytree(scratch / "steady", where, ignore=shutil.ignore_patterns(".*"))
                 runner = bo.make_runner("cairn", where, abstract)
@@ -215,7 +220,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
         med = [rows[n]["lost_s"]["median"] for n in ROWS]
         lo = [m - rows[n]["lost_s"]["min"] for m, n in zip(med, ROWS, strict=True)]
         hi = [rows[n]["lost_s"]["max"] - m for m, n in zip(med, ROWS, strict=True)]
-        colors = ["#4c72b0", "#55a868", "#8172b2", "#c44e52"]
+        colors = ["#4c72b0", "#55a868", "#8172b2", "#c44e52", "#999999"]
         ax.bar(range(len(ROWS)), med, yerr=[lo, hi], color=colors, capsize=4)
         ax.set_xticks(range(len(ROWS)), [n.replace(" ", "\n", 1) for n in ROWS], fontsize=8)
         ax.set_ylabel("training time lost per save (s)")
