@@ -189,6 +189,7 @@ class TrainStateHandler:
         jax_array = jax.Array if jax is not None else ()
 
         transfers: list[tuple[list[Any], int, Any, Any]] = []  # pieces, at, coming, shard data
+        single = jax.sharding.SingleDeviceSharding if jax is not None else ()
 
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
             # Not recursive: a closure that calls itself is a reference cycle, which would keep
@@ -202,17 +203,14 @@ class TrainStateHandler:
                 shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
                 pieces: list[tuple[tuple[slice, ...], np.ndarray]] = []
                 zero_copy = False
-                for shard in x.addressable_shards:
-                    if shard.replica_id != 0:
-                        continue
-                    region = _full_index(shard.index, shape)
-                    coming = _start_transfer(shard.data)
+                for region, data in _own_shards(x, shape, single):
+                    coming = _start_transfer(data)
                     if coming is not None:  # on an accelerator: copied to the host below
-                        transfers.append((pieces, len(pieces), coming, shard.data))
+                        transfers.append((pieces, len(pieces), coming, data))
                         pieces.append((region, _COMING))
                         continue
-                    view = np.asarray(shard.data)
-                    zero_copy |= _shares_buffer(view, shard.data)
+                    view = np.asarray(data)
+                    zero_copy |= _shares_buffer(view, data)
                     pieces.append((region, view))
                 region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
                 sources = [x] if zero_copy else []  # only views need the donation check
@@ -453,6 +451,19 @@ def _private(data: np.ndarray, leaf: _Leaf) -> np.ndarray:
 _COMING = np.empty(0)  # a piece whose device-to-host copy is still running
 _PINNED_PLATFORMS = ("gpu",)  # pinned host memory as the target; TPU's is scarce (Orbax's rule)
 _HOST_PLATFORMS = ("cpu",)  # whose buffers NumPy views in place
+
+
+def _own_shards(x: Any, shape: tuple[int, ...], single: Any) -> list[tuple[Any, Any]]:
+    """(global region, data) of each addressable shard of `x` with ``replica_id == 0``; an
+    array on one device is its own shard (asked per leaf per save: ``addressable_shards``
+    builds objects that cost more than the rest of a small leaf's snapshot)."""
+    if isinstance(x.sharding, single):
+        return [(tuple(slice(0, n) for n in shape), x)]
+    return [
+        (_full_index(shard.index, shape), shard.data)
+        for shard in x.addressable_shards
+        if shard.replica_id == 0
+    ]
 
 
 def _start_transfer(data: Any) -> Any:

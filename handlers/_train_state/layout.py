@@ -5,6 +5,7 @@ piece at a time, `_cast_digest`), and the zarr v3 metadata of a leaf (the zarr l
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ def _full_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice
     )
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of a few numbers, asked per leaf per save
 def _choose_chunk(
     region_shape: tuple[int, ...], itemsize: int, chunk_bytes: int, *, whole_rows: bool
 ) -> tuple[int, ...]:
