@@ -11,10 +11,10 @@ item name. A slab is an anonymous mapping (page aligned, so chunk files can be w
 ``O_DIRECT``), with transparent huge pages asked for (the train step's own buffers get 4 KiB
 pages, whose faults cost several times more here), and faulted in once: by the copy of the first
 save of a state of that size, or beforehand, in the background (`prepare`, ``cairn-stage``), when
-the size is known before that save (after a restore). The pool holds at most what is in flight (``max_pending`` states per item, as the
-manager never snapshots more) and at most `max_bytes` (slabs being faulted in count), frees an
-item's slabs of another size at the next lease once its state changed size, and frees
-everything at `close`.
+the size is known before that save (after a restore). The pool holds at most what is in flight
+(``max_pending`` states per item, as the manager never snapshots more) and at most `max_bytes`
+(slabs being faulted in count), frees an item's slabs of another size at the next lease once its
+state changed size, and frees everything at `close`.
 
 Threads: `lease` runs on the caller's thread (inside ``save()``); a `Lease` is released by the
 write phase on the commit thread, or when its snapshot is dropped unwritten; `prepare`'s fault-in
@@ -165,8 +165,8 @@ class StagingPool:
         A free slab that fits is lent as it is (faulted in: a memcpy). Without one, a slab being
         faulted in for `key` (`prepare`) is waited for; else a new one is mapped at once, and the
         copy into it faults it in (huge pages asked for), which costs save() less than the fresh
-        arrays a train step allocates when JAX declines to donate a viewed state (bench/
-        bench_overhead.py, "first save"). A free slab more than a quarter larger than needed (the
+        arrays a train step allocates when JAX declines to donate a viewed state
+        (bench/bench_first_save.py). A free slab more than a quarter larger than needed (the
         state shrank) is freed. None when the pool copies nothing (`zero_copy`), is closed, or
         would exceed `max_bytes`.
         """

@@ -109,11 +109,11 @@ class TrainStateHandler:
     What is copied when (the snapshot, inside ``save()``):
 
     - Inside a manager's ``save()`` whose staging pool has room (unless ``zero_copy=True``;
-      the first save of a state maps the pool's memory and faults it in as it copies): every leaf, ``jax.Array`` shards (those with
-      ``replica_id == 0``) and NumPy arrays alike, is copied chunk by chunk into the pool's
-      page-aligned memory, cast to its stored dtype, on two threads, which may still run when
-      `snapshot` returns: the manager's ``save()`` hands the commit over, then waits for them
-      (`_StateSnapshot.settle`). The snapshot then holds no reference to the arrays: the next
+      the first save of a state maps the pool's memory and faults it in as it copies): every
+      leaf, ``jax.Array`` shards (those with ``replica_id == 0``) and NumPy arrays alike, is
+      copied chunk by chunk into the pool's page-aligned memory, cast to its stored dtype, on
+      two threads, which may still run when `snapshot` returns: the manager's ``save()`` hands
+      the commit over, then waits for them (`_StateSnapshot.settle`). The snapshot then holds no reference to the arrays: the next
       train step donates them as usual.
     - Otherwise, ``jax.Array`` leaves are *not* copied on CPU: the snapshot keeps zero-copy host
       views of the addressable shards with ``replica_id == 0``. While such a view exists, JAX

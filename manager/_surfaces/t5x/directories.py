@@ -71,8 +71,8 @@ def get_step_from_checkpoint_dir(checkpoints_dir: PathLike) -> tuple[str, int]:
 def _cairn_steps(root: Path) -> dict[int, StepInfo]:
     """The steps a read-only manager lists and can describe, by step (a damaged step is left
     out with a warning, as T5X leaves out a directory without its ``checkpoint`` file; a step
-    T5X wrote has no manifest either). The manager waits for the saves a writer of this process accepted (read
-    your writes: T5X's save is synchronous)."""
+    T5X wrote has no manifest either). The manager waits for the saves a writer of this process
+    accepted (read your writes: T5X's save is synchronous)."""
     if not root.is_dir():
         return {}
     try:
