@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-incremental lint clean
+.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-first-save bench-incremental lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -73,6 +73,10 @@ bench: install
 # What a background save costs the training loop, cairn against Orbax, on two train steps (~12 min).
 bench-overhead: install
 	$(BIN)/python bench/bench_overhead.py
+
+# A job's first save (a new manager's, after restore()) against the steady state and Orbax (~5 min).
+bench-first-save: install
+	$(BIN)/python bench/bench_first_save.py
 
 bench-incremental: install
 	$(BIN)/python bench/bench_incremental.py
