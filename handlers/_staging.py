@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -144,6 +144,7 @@ class StagingPool:
         self._free: dict[str, list[Slab]] = {}
         self._in_use = 0  # bytes of leased slabs
         self._warming: dict[str, tuple[threading.Thread, int]] = {}  # key -> (thread, bytes)
+        self._prepared: set[str] = set()  # keys whose memory `prepare` made, never leased since
         self._closed = False
         self._warned = False
 
@@ -176,6 +177,7 @@ class StagingPool:
             with self._lock:
                 if self._closed:
                     return None
+                self._prepared.discard(key)
                 slab = self._fitting(key, nbytes, take=True)
                 if slab is not None:
                     self._in_use += slab.nbytes
@@ -205,7 +207,23 @@ class StagingPool:
                 target=self._warm, args=(key, nbytes), name="cairn-stage", daemon=True
             )
             self._warming[key] = (thread, size)  # counted as held from now on
+            self._prepared.add(key)
             thread.start()
+
+    def drop_unused(self, saved: Collection[str]) -> None:
+        """After a save of the items `saved`: the memory `prepare` made for any other item (one
+        restored that the manager does not save again) is freed, once its fault-in ends."""
+        while True:
+            with self._lock:
+                unused = self._prepared.difference(saved)
+                busy = [self._warming[key][0] for key in unused if key in self._warming]
+                if not busy:
+                    for key in unused:
+                        self._free.pop(key, None)  # only the prepared slab: never leased
+                    self._prepared -= unused
+                    return
+            for thread in busy:
+                thread.join()
 
     def _fitting(self, key: str, nbytes: int, *, take: bool = False) -> Slab | None:
         """A free slab of `key` that fits `nbytes` (taken with `take`); the free slabs of `key`

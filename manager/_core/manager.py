@@ -140,7 +140,7 @@ class CheckpointManager:
         self._names, self._read_only = o.names, o.read_only
         self._staging = StagingPool(
             max_bytes=o.max_staging_bytes,
-            zero_copy=o.zero_copy,
+            zero_copy=o.zero_copy or o.read_only,  # a reader stages nothing, prepares nothing
             remember=o.incremental,
             shared=o.writer_process,
         )
@@ -331,6 +331,7 @@ class CheckpointManager:
         except BaseException:
             self._commits.abandon(snapshots)
             raise
+        self._staging.drop_unused(items)  # what a restore prepared for items not saved again
         self._last_save.started(entered)
         tmp_name = None
         if self._together.procs.count > 1:  # every process writes into one temporary directory
@@ -490,8 +491,7 @@ class CheckpointManager:
             if step not in self.all_steps():
                 raise StepNotFoundError(self._reader.missing(step))
             restored = self._reader.restore(step, wanted)
-        if not self._read_only:
-            _prepare_staging(self._staging, self._options.handlers, restored)
+        _prepare_staging(self._staging, self._options.handlers, restored)  # none if read-only
         return restored
 
     def verify(

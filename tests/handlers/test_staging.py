@@ -147,6 +147,19 @@ def test_a_lease_takes_the_slab_being_prepared() -> None:
     assert views.held_bytes() == 0
 
 
+def test_a_save_frees_what_was_prepared_for_items_it_does_not_have() -> None:
+    pool = StagingPool()
+    pool.prepare("state", 2 * MiB)
+    pool.prepare("restored_only", 3 * MiB)
+    lease = pool.lease("state", 2 * MiB)  # the save of "state" takes its prepared slab
+    assert lease is not None
+    pool.drop_unused(["state"])  # waits for the other's fault-in, then frees it
+    assert pool.held_bytes() == 2 * MiB
+    lease.release()
+    pool.drop_unused([])  # "state" was leased since: its slab is the pool's now, kept
+    assert pool.held_bytes() == 2 * MiB
+
+
 def test_a_slab_of_the_old_size_given_back_after_the_state_changed_is_freed() -> None:
     """With max_pending=2 a save of the old size can still be in flight when the state shrinks;
     its slab, given back later, must not stay in the pool beside the new one."""
@@ -646,3 +659,10 @@ def test_restore_prepares_the_pool_for_the_first_save(tmp_path: Path) -> None:
         mgr.save(2, {"state": {"w": new["w"][:64]}})  # another size: the slab goes
         mgr.wait_until_finished()
         assert mgr._staging.held_bytes() < held
+    with CheckpointManager(tmp_path / "run") as mgr:  # saves another item than it restored
+        restored = mgr.restore(0, {"state": None, "meta": None})
+        mgr.wait_until_finished()
+        assert mgr._staging.held_bytes() == held
+        mgr.save(3, {"other": {"w": restored["state"]["w"][:64]}})
+        mgr.wait_until_finished()
+        assert mgr._staging.held_bytes() < held  # the memory prepared for "state" is freed
