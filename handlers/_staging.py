@@ -186,7 +186,11 @@ class StagingPool:
                 if warming is None:
                     if not self._room(key, max(PAGE, round_up(nbytes)), warn=True):
                         return None
-                    slab = Slab(nbytes, shared=self.shared)
+                    try:
+                        slab = Slab(nbytes, shared=self.shared)
+                    except (OSError, MemoryError) as e:  # no memory to map: views this time
+                        log.warning("cairn: no %d bytes of staging memory: %s", nbytes, e)
+                        return None
                     self._in_use += slab.nbytes
                     return Lease(self, key, slab)
             warming[0].join()  # then take what it prepared, if it fits

@@ -666,3 +666,23 @@ def test_restore_prepares_the_pool_for_the_first_save(tmp_path: Path) -> None:
         mgr.save(3, {"other": {"w": restored["state"]["w"][:64]}})
         mgr.wait_until_finished()
         assert mgr._staging.held_bytes() < held  # the memory prepared for "state" is freed
+
+
+def test_a_slab_that_cannot_be_mapped_leaves_the_save_to_views(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No memory to map a slab (ENOMEM): the lease is refused with a warning, nothing held, and
+    the snapshot keeps views; the save does not fail."""
+    from cairn.handlers import _staging
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(_staging.Slab, "__init__", no_memory)
+    pool = StagingPool()
+    with caplog.at_level(logging.WARNING, logger="cairn"):
+        assert pool.lease("state", MiB) is None
+        with staging_for(pool, "state"):
+            snap = TrainStateHandler().snapshot({"w": np.ones((256, 1024), np.float32)})
+    assert snap._lease is None and pool.held_bytes() == 0
+    assert "Cannot allocate memory" in caplog.text
