@@ -23,12 +23,11 @@ import argparse
 import ctypes
 import json
 import mmap
-import statistics
 import threading
 import time
 
 import numpy as np
-from _common import RESULTS, machine_facts, parse_size
+from _common import RESULTS, machine_facts, parse_size, spread
 
 _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -98,10 +97,7 @@ def main() -> None:
         "benchmark": "bench/bench_faults.py",
         "size": args.size,
         "machine": machine_facts(),
-        "seconds": {
-            way: {"median": statistics.median(t), "min": min(t), "max": max(t), "samples": t}
-            for way, t in times.items()
-        },
+        "seconds": {way: spread(t, 6) for way, t in times.items()},
     }
     (RESULTS / "faults.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"| {args.size}, {args.rounds} rounds | median (min\u2013max), ms |\n|---|---:|")

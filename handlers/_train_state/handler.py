@@ -113,8 +113,8 @@ class TrainStateHandler:
       leaf, ``jax.Array`` shards (those with ``replica_id == 0``) and NumPy arrays alike, is
       copied chunk by chunk into the pool's page-aligned memory, cast to its stored dtype, on
       two threads, which may still run when `snapshot` returns: the manager's ``save()`` hands
-      the commit over, then waits for them (`_StateSnapshot.settle`). The snapshot then holds no reference to the arrays: the next
-      train step donates them as usual.
+      the commit over, then waits for them (`_StateSnapshot.settle`). The snapshot then holds no
+      reference to the arrays: the next train step donates them as usual.
     - Otherwise, ``jax.Array`` leaves are *not* copied on CPU: the snapshot keeps zero-copy host
       views of the addressable shards with ``replica_id == 0``. While such a view exists, JAX
       will not donate the buffer (a donating train step gets fresh buffers instead, silently,
@@ -212,7 +212,7 @@ class TrainStateHandler:
                     view = np.asarray(data)
                     zero_copy |= _shares_buffer(view, data)
                     pieces.append((region, view))
-                region_shape = tuple(sl.stop - sl.start for sl in pieces[0][0]) if pieces else shape
+                region_shape = _extent(pieces[0][0]) if pieces else shape
                 sources = [x] if zero_copy else []  # only views need the donation check
                 shared = bool(x.is_fully_addressable)  # not a global array: every process has it
                 owned = not zero_copy  # a device-to-host copy (GPU, TPU, int4) is ours already
@@ -302,6 +302,7 @@ class TrainStateHandler:
         leaves: list[_Leaf] = []
         jax = sys.modules.get("jax")
         jax_array = jax.Array if jax is not None else ()
+        single = jax.sharding.SingleDeviceSharding if jax is not None else ()
 
         def leaf(x: Any, path: KeyPath) -> dict[str, Any]:
             regions: list[tuple[slice, ...]]
@@ -309,9 +310,7 @@ class TrainStateHandler:
                 x = jax.eval_shape(jax.random.key_data, x)  # type: ignore[union-attr]
             if isinstance(x, jax_array):
                 shape = tuple(x.shape)
-                regions = [
-                    _full_index(s.index, shape) for s in x.addressable_shards if s.replica_id == 0
-                ]
+                regions = [region for region, _ in _own_shards(x, shape, single)]
                 # host arrays are viewed, then copied into the pool; an accelerator's are
                 # copied to the host, which a writer process's pool stages too
                 owned = any(d.platform not in _HOST_PLATFORMS for d in x.devices())
@@ -319,13 +318,11 @@ class TrainStateHandler:
                 arr = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
                 shape, owned = tuple(arr.shape), False
                 regions = [tuple(slice(0, n) for n in shape)]
-            region_shape = tuple(sl.stop - sl.start for sl in regions[0]) if regions else shape
+            region_shape = _extent(regions[0]) if regions else shape
             src = _storable(np.dtype(x.dtype), path)
             _, dtype, chunk = self._geometry(path, shape, src, region_shape)
             empty = np.empty((), dtype)  # broadcast to each region's shape: no memory
-            pieces = [
-                (r, np.broadcast_to(empty, tuple(sl.stop - sl.start for sl in r))) for r in regions
-            ]
+            pieces = [(r, np.broadcast_to(empty, _extent(r))) for r in regions]
             leaves.append(_Leaf(len(leaves), path, shape, dtype, chunk, pieces, [], True, owned))
             return {}
 
@@ -451,6 +448,10 @@ def _private(data: np.ndarray, leaf: _Leaf) -> np.ndarray:
 _COMING = np.empty(0)  # a piece whose device-to-host copy is still running
 _PINNED_PLATFORMS = ("gpu",)  # pinned host memory as the target; TPU's is scarce (Orbax's rule)
 _HOST_PLATFORMS = ("cpu",)  # whose buffers NumPy views in place
+
+
+def _extent(region: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(sl.stop - sl.start for sl in region)
 
 
 def _own_shards(x: Any, shape: tuple[int, ...], single: Any) -> list[tuple[Any, Any]]:

@@ -686,3 +686,34 @@ def test_a_slab_that_cannot_be_mapped_leaves_the_save_to_views(
             snap = TrainStateHandler().snapshot({"w": np.ones((256, 1024), np.float32)})
     assert snap._lease is None and pool.held_bytes() == 0
     assert "Cannot allocate memory" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"layout": "zarr"}, {"save_dtype": "bfloat16"}, {"chunk_bytes": 64 * 1024}],
+    ids=["packed", "zarr", "save_dtype", "small_chunks"],
+)
+def test_staging_bytes_is_what_a_snapshot_leases(options: dict[str, object]) -> None:
+    """What a restore prepares is what the next save asks for, to the byte: padded edge chunks,
+    a cast, a typed PRNG key, NumPy leaves and scalars included, nothing read."""
+    import jax
+    import jax.numpy as jnp
+
+    state = {
+        "w": jnp.ones((1237, 33)),  # a prime row count: padded edge chunks
+        "b": jnp.arange(70_000, dtype=jnp.float32),
+        "key": jax.random.key(0),
+        "n": np.arange(10.0),
+        "s": np.float32(2),
+    }
+    handler = TrainStateHandler(**options)  # type: ignore[arg-type]
+    asked: list[int] = []
+
+    class Recording(StagingPool):
+        def lease(self, key: str, nbytes: int):  # type: ignore[no-untyped-def]
+            asked.append(nbytes)
+            return super().lease(key, nbytes)
+
+    with staging_for(Recording(), "state"):
+        handler.snapshot(state)
+    assert asked == [handler.staging_bytes(state)]
