@@ -242,13 +242,16 @@ class StagingPool:
 
     def _room(self, key: str, size: int, *, warn: bool) -> bool:
         """Whether `size` more bytes fit in `max_bytes`, other items' free slabs freed first to
-        make room; `warn` logs, once per pool, why a save is not staged. Under the lock."""
+        make room (not a slab `prepare` made that its item has not leased yet: a save that
+        comes to it takes it, `drop_unused` frees it if none does); `warn` logs, once per
+        pool, why a save is not staged. Under the lock."""
         if self.max_bytes is None:
             return True
         for other in list(self._free):
             if self._held() + size <= self.max_bytes:
                 break
-            self._free[other] = []
+            if other not in self._prepared:
+                self._free[other] = []
         if self._held() + size <= self.max_bytes:
             return True
         if warn and not self._warned:

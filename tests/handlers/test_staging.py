@@ -110,9 +110,10 @@ def test_slabs_being_prepared_count_against_max_bytes() -> None:
     pool = StagingPool(max_bytes=8 * MiB)
     pool.prepare("p", 6 * MiB)  # faulted in from now on, and counted
     assert pool.held_bytes() == 6 * MiB
-    assert pool.lease("q", 6 * MiB) is None  # 6 + 6 > 8: views
+    assert pool.lease("q", 6 * MiB) is None  # 6 + 6 > 8: views (p being faulted in, or ready)
     pool.prepare("q", 6 * MiB)  # no room: nothing
     pool.wait()
+    assert pool.lease("q", 6 * MiB) is None  # p's prepared slab is ready: still not q's
     assert pool.held_bytes() == 6 * MiB
     for _ in range(3):
         lease = pool.lease("p", 6 * MiB)
