@@ -1,0 +1,758 @@
+"""``cairn.manager.orbax.CheckpointManager``: orbax-checkpoint's CheckpointManager, written by
+cairn (docs/migrating-from-orbax.md).
+
+Change ``CheckpointManager = ocp.CheckpointManager`` to
+``from cairn.manager.orbax import CheckpointManager``; the constructor, Orbax's
+``CheckpointManagerOptions`` and ``ocp.args`` objects, return values and errors stay. Steps are
+cairn steps (crash-safe commit, checksums, cairn's CLI); Orbax steps already in the directory are
+listed and restored in place, by Orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from cairn.handlers.errors import MismatchError, StepNotFoundError
+from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
+from cairn.manager._core.manager import CheckpointManager as _Manager
+from cairn.manager._surfaces.orbax import args as A
+from cairn.manager._surfaces.orbax.policies import Doomed, check_options, decisions, preservation
+from cairn.manager.errors import CommitError
+
+ocp = A.ocp
+log = logging.getLogger("cairn")
+
+__all__ = ["CheckpointManager", "StepAlreadyExistsError"]
+
+DEFAULT_ITEM_NAME = "default"
+_RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
+_SLOW_WAIT_S = 1.0
+
+
+class StepAlreadyExistsError(_CairnStepExists, ocp.checkpoint_manager.StepAlreadyExistsError):  # type: ignore[name-defined]
+    """A forced save of a step that exists: both cairn's and Orbax's error."""
+
+
+class _DefaultItem:
+    """Whether this manager saves one unnamed item (Orbax's "default item" mode): fixed by the
+    first save or restore, or by the constructor's arguments, then never changed."""
+
+    def __init__(self, value: bool | None = None) -> None:
+        self._value = value
+
+    def get(self) -> bool | None:
+        return self._value
+
+    def set_if_none(self, value: bool) -> None:
+        if self._value is None:
+            self._value = value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """What a step holds, for restore and metadata: each item's kind (None: not known), whether
+    it is a default-item step, its Orbax metrics and custom metadata, and whether Orbax wrote
+    it (then Orbax reads it)."""
+
+    items: Mapping[str, str | None]
+    default_item: bool
+    metrics: Any
+    custom_metadata: Mapping[str, Any]
+    started_at: float
+    committed_at: float
+    path: Any
+    foreign: bool
+
+
+class CheckpointManager:
+    """orbax-checkpoint's ``CheckpointManager`` (0.12.8) on cairn's manager.
+
+    Decisions are Orbax's own: the save decision and preservation policies are built from the
+    options with Orbax's policy classes (or taken as given), and evaluated over `_checkpoints`,
+    this manager's list of Orbax ``CheckpointInfo`` (step, save time, metrics), as Orbax does.
+    The writing is cairn's: each save is a cairn step (its items under ``<step>/<item>/``, a
+    manifest with checksums, an atomic commit); the steps a save's preservation decision drops
+    leave `all_steps()` at once and are deleted by cairn's retention after the step commits
+    (`Doomed`), so a crash never loses the newest committed step to a deletion.
+
+    Concurrency: as Orbax's, for one training thread; `wait_until_finished` may be called
+    from several threads at once (a lock serialises them).
+    """
+
+    def __init__(
+        self,
+        directory: Any,
+        checkpointers: Any = None,
+        options: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+        item_names: Sequence[str] | None = None,
+        item_handlers: Any = None,
+        logger: Any = None,
+        handler_registry: Any = None,
+    ) -> None:
+        if checkpointers is not None:
+            raise ValueError(
+                "checkpointers= (Orbax's legacy Checkpointer objects) is not supported by "
+                "cairn.manager.orbax.CheckpointManager: give item_names= or item_handlers= and "
+                "pass args= to save() and restore() (docs/migrating-from-orbax.md)"
+            )
+        options = ocp.CheckpointManagerOptions() if options is None else options
+        if not isinstance(options, ocp.CheckpointManagerOptions):
+            raise TypeError(
+                f"options must be an orbax.checkpoint.CheckpointManagerOptions, got "
+                f"{type(options).__qualname__}"
+            )
+        check_options(options)
+        self._options = options  # read, never changed
+        self._default_item, self._fixed, self._kinds = _item_modes(
+            item_names, item_handlers, handler_registry
+        )
+        self._save_policy = decisions(options)
+        self._preserve = preservation(options)
+        self._doomed = Doomed()
+        self._logger = logger
+        self._wait_lock = threading.Lock()
+        self._read_only = bool(options.read_only)
+        prefix, digits = _naming(options)
+        where = _directory(directory, create=options.create, read_only=self._read_only)
+        primary = options.multiprocessing_options.primary_host
+        self._inner = _Manager(
+            where,
+            keep=self._doomed,
+            step_prefix=prefix,
+            step_digits=digits,
+            async_save=bool(options.enable_async_checkpointing),
+            read_only=self._read_only,
+            metadata=metadata if options.save_root_metadata else None,
+            primary_process=0 if primary is None else primary,
+            barrier_timeout=_barrier_timeout(options),
+        )
+        self._given_metadata = metadata if options.save_root_metadata else None
+        self._checkpoints = self._infos(light=bool(options.lightweight_initialize))
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def directory(self) -> Any:
+        epath = A.optional("etils.epath", feature="cairn.manager.orbax")
+        return epath.Path(os.fspath(self._inner.directory))
+
+    def __repr__(self) -> str:
+        return f"cairn.manager.orbax.CheckpointManager({self._inner!r})"
+
+    # ------------------------------------------------------------------ the steps
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """The steps this manager tracks, ascending (a save in flight included, the steps its
+        preservation dropped excluded). `read=True` lists the directory again."""
+        if read:
+            log.warning("all_steps(read=True) is deprecated; use reload()")
+            self.reload()
+        return [info.step for info in self._checkpoints]
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The best step by `best_fn` and `best_mode` among the steps with metrics; without
+        `best_fn`, the latest step (as Orbax)."""
+        best_fn = self._options.best_fn
+        if best_fn is None:
+            return self.latest_step()
+        scored = [(float(best_fn(i.metrics)), i.step) for i in self._checkpoints if i.metrics]
+        if not scored:
+            return None
+        sign = -1.0 if self._options.best_mode == "min" else 1.0
+        return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
+
+    def reload(self) -> None:
+        """Read the directory again: another manager's steps, times and metrics."""
+        self._inner.reload()
+        self._checkpoints = self._infos(light=False)
+
+    def reached_preemption(self, step: int) -> bool:
+        """JAX's preemption sync point (jax.distributed's preemption service) was reached at
+        `step`; False where the service is off."""
+        from jax.experimental import multihost_utils
+
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:
+            return False
+
+    def should_save(self, step: int) -> bool:
+        """Orbax's order: read-only (a warning), a step at or below the latest, then the policy
+        with the save in progress and the preemption as its context."""
+        if self._read_only:
+            log.warning("%s is read only, save will be skipped", self.directory)
+            return False
+        step = _step(step)
+        latest = self.latest_step()
+        if latest is not None and latest >= step:
+            return False
+        options = self._options
+        in_progress = (
+            self.is_saving_in_progress()
+            if options.enable_should_save_is_saving_in_progress_check
+            else False
+        )
+        context = ocp.checkpoint_managers.DecisionContext(
+            is_saving_in_progress=in_progress,
+            reached_preemption=self.reached_preemption(step),
+            multiprocessing_options=options.multiprocessing_options,
+        )
+        info = ocp.checkpoint_manager.CheckpointInfo(step=step, time=_now(), metrics=None)
+        return bool(
+            self._save_policy.should_save(
+                info, previous_steps=list(self._checkpoints), context=context
+            )
+        )
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        step: int,
+        items: Any = None,
+        save_kwargs: Any = None,
+        metrics: Any = None,
+        force: bool | None = False,
+        args: Any = None,
+        custom_metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Save `args` as `step` if the policy says so (or `force`); True if a save started.
+
+        Orbax's order: the args are checked, then the policy asked (a read-only manager returns
+        False with a warning, even with `force`), the previous save waited for, and a step that
+        exists raises StepAlreadyExistsError. Metrics, `best_fn`'s value and the items are all
+        checked before anything is written."""
+        if items is None and args is None:
+            raise ValueError("Must provide `args` for `save`.")
+        self._default_item.set_if_none(not A.is_composite(args))
+        self._check_args(items, args)
+        _refuse_legacy(items, save_kwargs)
+        step = _step(step)
+        if self._read_only:
+            log.warning("%s is read only, save will be skipped", self.directory)
+            return False
+        if not force and not self.should_save(step):
+            return False
+        self._wait_for_previous()
+        if step in self.all_steps():
+            raise StepAlreadyExistsError(f"Checkpoint for step {step} already exists.")
+        by_name = dict(args.items()) if A.is_composite(args) else {DEFAULT_ITEM_NAME: args}
+        if not by_name:
+            raise ValueError("args is an empty Composite: give at least one item")
+        values, kinds = {}, {}
+        for name, item_args in by_name.items():
+            kind = A.kind_of_args(item_args, saving=True)
+            self._bind(name, kind, item_args)
+            assert kind is not None
+            values[name], kinds[name] = A.save_value(name, kind, item_args), kind
+        recorded = None
+        if metrics is not None and not self._options.prevent_write_metrics:
+            recorded = A.to_json("metrics", metrics)
+        info = ocp.checkpoint_manager.CheckpointInfo(step=step, time=_now(), metrics=recorded)
+        if recorded is not None and self._options.best_fn is not None:
+            _check_best(self._options.best_fn, recorded, step)
+        kept = self._apply_preservation(info)
+        record = {
+            "items": kinds,
+            "default_item": bool(self._default_item.get()),
+            "metrics": recorded,
+            "time": info.time.timestamp(),
+            "custom_metadata": A.to_json("custom_metadata", dict(custom_metadata or {})),
+        }
+        try:
+            self._inner.save(
+                step,
+                values,
+                metrics=_numbers(recorded),
+                metadata={_RECORD: record},
+                force=True,
+            )
+        except _CairnStepExists as e:
+            self._doomed.settle()
+            raise StepAlreadyExistsError(str(e)) from e
+        except BaseException:
+            self._doomed.settle()
+            raise
+        self._checkpoints = kept
+        self._log("save", step)
+        return True
+
+    def _apply_preservation(self, new: Any) -> list[Any]:
+        """Orbax's preservation over the tracked steps and the new one: the steps it drops are
+        doomed now (cairn's retention deletes them after the new step commits); the kept list
+        becomes `_checkpoints` once the save started."""
+        candidates = sorted([*self._checkpoints, new], key=lambda i: i.step)
+        flags = self._preserve.should_preserve(
+            candidates, context=ocp.checkpoint_managers.PreservationContext()
+        )
+        self._doomed.propose(
+            {i.step for i, keep in zip(candidates, flags, strict=True) if not keep}, new.step
+        )
+        return [i for i, keep in zip(candidates, flags, strict=True) if keep]
+
+    def _wait_for_previous(self) -> None:
+        started = time.monotonic()
+        self.wait_until_finished()
+        took = time.monotonic() - started
+        if took > _SLOW_WAIT_S:
+            log.warning(
+                "Waiting for previous save to complete took %f seconds. If this number is "
+                "high, consider checkpointing less frequently.",
+                took,
+            )
+
+    def is_saving_in_progress(self) -> bool:
+        return self._inner.is_saving_in_progress()
+
+    def wait_until_finished(self) -> None:
+        """Until the save in flight and the deletions after it are done; its error raised once."""
+        with self._wait_lock:
+            try:
+                self._inner.wait_until_finished()
+            except CommitError:
+                self._resync()
+                raise
+
+    def check_for_errors(self) -> None:
+        try:
+            self._inner.check_for_errors()
+        except CommitError:
+            self._resync()
+            raise
+
+    def _resync(self) -> None:
+        """After a failed commit: the tracked steps are those on disk (Orbax instead keeps its
+        list without the failed step, and without the steps it meant to delete, until reload)."""
+        self._doomed.forget()
+        self._checkpoints = self._infos(light=False)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self,
+        step: int | None,
+        items: Any = None,
+        restore_kwargs: Any = None,
+        directory: Any = None,
+        args: Any = None,
+    ) -> Any:
+        """Restore `step` (None: the latest) with Orbax's `args`: a Composite of the items
+        wanted (attribute and key access), or the bare item in default-item mode. Without
+        args, every item of the step. A step Orbax wrote is restored by Orbax itself."""
+        if directory is not None:
+            return self._restore_elsewhere(step, directory, args)
+        self._check_args(items, args)
+        _refuse_legacy(items, restore_kwargs)
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"No steps found in {self.directory}.")
+        step = _step(step)
+        stored = self._stored(step)
+        self._default_item.set_if_none(stored.default_item)
+        self._check_args(None, args)
+        default = bool(self._default_item.get())
+        if default:
+            if DEFAULT_ITEM_NAME not in stored.items:
+                raise ValueError(
+                    f"step {step} has no default item; it holds {sorted(stored.items)}"
+                )
+            wanted = None if args is None else {DEFAULT_ITEM_NAME: args}
+        else:
+            wanted = None if args is None or not len(args) else dict(args.items())
+        restored = self._read(step, stored, wanted)
+        self._log("restore", step)
+        return restored[DEFAULT_ITEM_NAME] if default else A.composite(restored)
+
+    def _read(self, step: int, stored: _Stored, wanted: dict[str, Any] | None) -> dict[str, Any]:
+        if wanted is not None:
+            missing = [name for name in wanted if name not in stored.items]
+            if missing:
+                raise KeyError(
+                    f'Item "{missing[0]}" was not found in the checkpoint. Available items: '
+                    f"{sorted(stored.items)}"
+                )
+        if stored.foreign:
+            return _orbax_restore(stored.path, wanted)
+        names = list(stored.items) if wanted is None else list(wanted)
+        kinds: dict[str, str | None] = {}
+        for name in names:
+            item_args = None if wanted is None else wanted[name]
+            if item_args is None:
+                kind = self._kinds.get(name)
+                if kind is None and wanted is not None:
+                    raise ValueError(
+                        f"Provided `None` for `CheckpointArgs`, and the `CheckpointHandler` for "
+                        f'item "{name}" was not configured. If saving, provide the handler in '
+                        "`item_handlers`; if restoring, provide `args` for the item"
+                    )
+                kinds[name] = kind or stored.items[name]
+                if kinds[name] is not None and name not in self._kinds:
+                    self._kinds[name] = kinds[name]  # type: ignore[assignment]
+            else:
+                kind = A.kind_of_args(item_args, saving=False)
+                self._bind(name, kind, item_args)
+                kinds[name] = _compatible(name, kind, stored.items[name])
+        skeleton_for = [
+            n
+            for n in names
+            if A.needs_skeleton(kinds[n] or "", None if wanted is None else wanted[n])
+        ]
+        skeletons = (
+            self._inner.restore(step, {n: A.NEVER for n in skeleton_for}) if skeleton_for else {}
+        )
+        plans = {
+            n: A.item_plan(kinds[n] or "", None if wanted is None else wanted[n], skeletons.get(n))
+            for n in names
+        }
+        try:
+            restored = self._inner.restore(step, {n: plan.target for n, plan in plans.items()})
+        except MismatchError as e:
+            raise ValueError(str(e)) from e
+        return {n: plans[n].finish(restored[n]) for n in names}
+
+    def _restore_elsewhere(self, step: int | None, directory: Any, args: Any) -> Any:
+        """``restore(step, directory=d)``: a read-only manager of `d` with this one's naming."""
+        options = dataclasses.replace(
+            self._options,
+            read_only=True,
+            create=False,
+            max_to_keep=None,
+            keep_period=None,
+            keep_time_interval=None,
+            preservation_policy=None,
+            best_fn=None,
+        )
+        with CheckpointManager(directory, options=options) as other:
+            other._default_item = _DefaultItem(self._default_item.get())
+            other._kinds = dict(self._kinds)
+            if step is None:
+                step = max(other._inner.all_steps(), default=None)
+            return other.restore(step, args=args)
+
+    # ------------------------------------------------------------------ metadata and metrics
+
+    def metrics(self, step: int) -> Any:
+        """The metrics saved with `step` (also without `best_fn`), or None."""
+        try:
+            return self._stored(_step(step)).metrics
+        except FileNotFoundError:
+            return None
+
+    def metadata(self, step: int | None = None) -> Any:
+        """None: the directory's ``RootMetadata`` (the `metadata=` the first writer gave);
+        a step: its ``StepMetadata`` (item handlers, item metadata, metrics, times,
+        `custom_metadata`)."""
+        if step is None:
+            custom = self._inner.metadata() if self._options.save_root_metadata else {}
+            return ocp.metadata.RootMetadata(custom_metadata=dict(custom or {}))
+        step = _step(step)
+        stored = self._stored(step)
+        described = self._inner.describe(step)
+        if self._default_item.get() or (self._default_item.get() is None and stored.default_item):
+            item_metadata = (
+                described.get(DEFAULT_ITEM_NAME) if DEFAULT_ITEM_NAME in self._kinds else None
+            )
+        else:
+            item_metadata = A.composite({n: described.get(n) for n in stored.items})
+        return ocp.metadata.StepMetadata(
+            item_handlers={n: A.handler_typestr(k) for n, k in stored.items.items() if k},
+            item_metadata=item_metadata,
+            metrics=dict(stored.metrics) if isinstance(stored.metrics, Mapping) else {},
+            init_timestamp_nsecs=int(stored.started_at * 1e9),
+            commit_timestamp_nsecs=int(stored.committed_at * 1e9),
+            custom_metadata=dict(stored.custom_metadata),
+        )
+
+    def item_metadata(self, step: int) -> Any:
+        if step is None:
+            raise ValueError("step must be given")
+        return self.metadata(step).item_metadata
+
+    # ------------------------------------------------------------------ deleting and closing
+
+    def delete(self, step: int) -> None:
+        """Delete a tracked step (after the save in flight); a read-only manager logs and
+        does nothing; FileNotFoundError for a step not tracked."""
+        if self._read_only:
+            log.warning("%s is read only, delete will be skipped", self.directory)
+            return
+        step = _step(step)
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"Requested deleting a non-existent step: {step}.")
+        self._inner.delete(step)
+        self._inner.wait_until_finished()
+        self._checkpoints = [i for i in self._checkpoints if i.step != step]
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._inner.__exit__(typ, exc, tb)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_args(self, items: Any, args: Any) -> None:
+        """Orbax's argument checks, with its messages."""
+        if isinstance(items, ocp.args.CheckpointArgs):
+            raise ValueError(
+                "Found an instance of `CheckpointArgs` provided for `items`. This may be due "
+                "to misuse of the newer API - make sure to specify the argument keyword (e.g. "
+                "`args=args`)."
+            )
+        if args is None:
+            return
+        if not isinstance(args, ocp.args.CheckpointArgs):
+            raise ValueError(f"Expected args of type `CheckpointArgs`; found {type(args)}.")
+        default = self._default_item.get()
+        if default and A.is_composite(args):
+            raise ValueError(
+                "Cannot provide `args` of type `Composite` when dealing with a single, unnamed "
+                "(default) checkpointable object."
+            )
+        if default is False and not A.is_composite(args):
+            raise ValueError(
+                "Must provide `args` of type `Composite` when dealing with multiple "
+                "checkpointable objects."
+            )
+
+    def _bind(self, name: str, kind: str | None, item_args: Any) -> None:
+        """Fix item `name`'s kind on first use (as Orbax registers a handler); an args type of
+        another kind, or an item outside `item_names`, is Orbax's ValueError."""
+        known = self._kinds.get(name)
+        allowed = self._fixed is None or name in self._fixed
+        if kind is None or (known is None and not allowed) or (known not in (None, kind)):
+            raise ValueError(
+                f'Item "{name}" and args "{type(item_args)}" does not match with any registered '
+                f"handler! Registered handlers: {dict(sorted(self._kinds.items()))}"
+                + ("" if kind is not None else "; cairn has no counterpart of these args")
+            )
+        self._kinds[name] = kind
+
+    def _stored(self, step: int) -> _Stored:
+        try:
+            info = self._inner.info(step)  # waits for the step's commit if it is in flight
+        except StepNotFoundError:
+            raise FileNotFoundError(f"Checkpoint at {self.directory}/{step} not found.") from None
+        record = info.metadata.get(_RECORD)
+        foreign = info.metadata.get("format") == "orbax"
+        if isinstance(record, Mapping):
+            kinds = dict(record.get("items") or {})
+            return _Stored(
+                items={n: kinds.get(n) for n in info.items},
+                default_item=bool(record.get("default_item")),
+                metrics=record.get("metrics"),
+                custom_metadata=dict(record.get("custom_metadata") or {}),
+                started_at=float(record.get("time") or info.started_at),
+                committed_at=info.committed_at,
+                path=info.path,
+                foreign=False,
+            )
+        names = list(info.items)
+        return _Stored(
+            items={n: _cairn_kind(info.items[n].handler) for n in names},
+            default_item=names == [DEFAULT_ITEM_NAME],
+            metrics=dict(info.metrics) or None,
+            custom_metadata=dict(info.metadata.get("custom_metadata") or {}) if foreign else {},
+            started_at=info.started_at,
+            committed_at=info.committed_at,
+            path=info.path,
+            foreign=foreign,
+        )
+
+    def _infos(self, *, light: bool) -> list[Any]:
+        """Orbax's CheckpointInfo for every step on disk (`light`: no step read, as Orbax's
+        `lightweight_initialize`: times are ``datetime.min`` and metrics None)."""
+        infos = []
+        for step in self._inner.all_steps():
+            if light:
+                when, metrics = datetime.datetime.min, None
+            else:
+                stored = self._stored(step)
+                when = datetime.datetime.fromtimestamp(stored.started_at, tz=datetime.timezone.utc)
+                metrics = stored.metrics
+            infos.append(
+                ocp.checkpoint_manager.CheckpointInfo(step=step, time=when, metrics=metrics)
+            )
+        return infos
+
+    def _log(self, event: str, step: int) -> None:
+        if self._logger is not None:
+            self._logger.log_entry(
+                {"event_type": event, "step": step, "directory": str(self.directory)}
+            )
+
+
+# ---------------------------------------------------------------------- module helpers
+
+
+def _now() -> datetime.datetime:
+    """Looked up through the module at each call (tests replace ``datetime.datetime``)."""
+    return datetime.datetime.now(tz=datetime.timezone.utc)
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        if hasattr(step, "item") and getattr(step, "shape", None) == ():
+            return _step(step.item())
+        raise TypeError(f"step must be an int, got {type(step).__qualname__}")
+    value = int(step.__index__())
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def _refuse_legacy(items: Any, kwargs: Any) -> None:
+    if items is not None or kwargs is not None:
+        raise ValueError(
+            "items= and save_kwargs=/restore_kwargs= (Orbax's legacy API) are not supported by "
+            "cairn.manager.orbax.CheckpointManager: pass args=ocp.args.Composite(...) "
+            "(docs/migrating-from-orbax.md)"
+        )
+
+
+def _compatible(name: str, kind: str | None, stored: str | None) -> str | None:
+    """A restore's kind against the stored one: the two pytree kinds read each other."""
+    if kind is None or stored is None or kind == stored:
+        return kind
+    if kind in A.TREES and stored in A.TREES:
+        return kind
+    raise ValueError(f'item "{name}" was saved as {stored} and cannot be restored as {kind}')
+
+
+def _cairn_kind(handler_id: str) -> str | None:
+    return {
+        "cairn.train_state": "pytree",
+        "cairn.numpy_tree": "pytree",
+        "cairn.json": "json",
+        "cairn.grain_iterator": "grain",
+    }.get(handler_id)
+
+
+def _numbers(metrics: Any) -> dict[str, float] | None:
+    """The finite numbers among Orbax metrics, as cairn's metrics (`cairn metrics`, KeepBest)."""
+    if not isinstance(metrics, Mapping):
+        return None
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[str(key)] = float(value)
+    return out
+
+
+def _check_best(best_fn: Any, metrics: Any, step: int) -> None:
+    """`best_fn` on the new metrics before anything is written (Orbax calls it after)."""
+    try:
+        value = best_fn(metrics)
+        float(value)
+    except Exception as e:
+        raise ValueError(f"step {step}: best_fn failed on metrics {metrics!r}: {e!r}") from e
+
+
+def _orbax_restore(path: Any, wanted: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A step orbax-checkpoint wrote, restored by orbax-checkpoint."""
+    handler = ocp.CompositeCheckpointHandler()
+    with ocp.Checkpointer(handler) as checkpointer:
+        restored = checkpointer.restore(
+            os.fspath(path) if not isinstance(path, str) else path,
+            args=None if wanted is None else A.composite(wanted),
+        )
+    out = dict(restored.items())
+    if wanted is None:
+        out.pop("metrics", None)  # Orbax's own metrics item, not the user's
+    return out
+
+
+def _item_modes(
+    item_names: Sequence[str] | None, item_handlers: Any, registry: Any
+) -> tuple[_DefaultItem, set[str] | None, dict[str, str]]:
+    """Orbax's constructor modes: the default-item flag, the names allowed (None: any), and
+    the items whose kind a handler fixes."""
+    single = isinstance(item_handlers, ocp.CheckpointHandler)
+    if item_names is not None and single:
+        raise ValueError(
+            "`item_handlers` in default item mode and `item_names` should not be provided together."
+        )
+    if registry is not None and (item_names is not None or item_handlers is not None):
+        raise ValueError(
+            "`handler_registry` should not be provided together with `item_names` or "
+            "`item_handlers`."
+        )
+    kinds: dict[str, str] = {}
+
+    def kind(name: str, handler: Any) -> str:
+        k = A.kind_of_handler(handler)
+        if k is None:
+            raise ValueError(
+                f"item {name!r}: handler {type(handler).__qualname__} has no counterpart in "
+                "cairn (Standard, PyTree, Json, Array and grain's handlers do)"
+            )
+        return k
+
+    if single:
+        kinds[DEFAULT_ITEM_NAME] = kind(DEFAULT_ITEM_NAME, item_handlers)
+        return _DefaultItem(True), {DEFAULT_ITEM_NAME}, kinds
+    if registry is not None:
+        for (name, _args_type), handler in registry.get_all_entries().items():
+            if name is not None:
+                kinds[name] = kind(name, handler)
+        return _DefaultItem(None), None, kinds
+    if item_handlers is not None:
+        if not isinstance(item_handlers, Mapping):
+            raise TypeError(f"item_handlers must be a handler or a mapping, got {item_handlers!r}")
+        for name, handler in item_handlers.items():
+            kinds[name] = kind(name, handler)
+    if item_names is None and item_handlers is None:
+        return _DefaultItem(None), None, kinds
+    if isinstance(item_names, (str, bytes)) or not isinstance(item_names or (), Iterable):
+        raise TypeError(f"item_names must be a sequence of names, got {item_names!r}")
+    names = set(item_names or ()) | set(kinds)
+    return _DefaultItem(False), names, kinds
+
+
+def _naming(options: Any) -> tuple[str, int | None]:
+    """cairn's step_prefix and step_digits for Orbax's naming options."""
+    fmt = options.step_name_format
+    prefix, digits = options.step_prefix, options.step_format_fixed_length
+    if fmt is not None:
+        if not (hasattr(fmt, "step_prefix") and hasattr(fmt, "step_format_fixed_length")):
+            raise ValueError(
+                f"step_name_format={fmt!r}: only orbax's standard_name_format(step_prefix, "
+                "step_format_fixed_length) has a counterpart in cairn"
+            )
+        prefix, digits = fmt.step_prefix, fmt.step_format_fixed_length
+    return prefix or "", digits
+
+
+def _directory(directory: Any, *, create: bool, read_only: bool) -> str:
+    where = os.fspath(directory) if isinstance(directory, os.PathLike) else str(directory)
+    if not create and not read_only and "://" not in where and not os.path.isdir(where):
+        raise FileNotFoundError(
+            f"{where} does not exist and options.create is False: create it, or pass create=True"
+        )
+    return where
+
+
+def _barrier_timeout(options: Any) -> float:
+    async_options = options.async_options
+    timeout = getattr(async_options, "timeout_secs", None) if async_options else None
+    return float(timeout) if timeout else 300.0
