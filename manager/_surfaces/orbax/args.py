@@ -304,6 +304,13 @@ def item_plan(kind: str, args: Any, skeleton: Any) -> Plan:
     return Plan(None, _same)
 
 
+def restore_args_for(kind: str) -> Any:
+    """Orbax's args that restore an item of `kind` as saved."""
+    return {"json": ocp.args.JsonRestore, "array": ocp.args.ArrayRestore}.get(
+        kind, ocp.args.PyTreeRestore
+    )()
+
+
 def needs_skeleton(kind: str, args: Any) -> bool:
     return (
         kind in TREES

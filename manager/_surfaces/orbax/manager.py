@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import MismatchError, StepNotFoundError
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
 from cairn.manager._core.manager import CheckpointManager as _Manager
@@ -387,6 +388,12 @@ class CheckpointManager:
                     f"{sorted(stored.items)}"
                 )
         if stored.foreign:
+            if wanted is None:  # every item Orbax can restore without args
+                wanted = {
+                    n: A.restore_args_for(k)
+                    for n, k in stored.items.items()
+                    if k in A.TREES + ("json",)
+                }
             return _orbax_restore(stored.path, wanted)
         names = list(stored.items) if wanted is None else list(wanted)
         kinds: dict[str, str | None] = {}
@@ -645,6 +652,8 @@ def _cairn_kind(handler_id: str) -> str | None:
         "cairn.numpy_tree": "pytree",
         "cairn.json": "json",
         "cairn.grain_iterator": "grain",
+        OrbaxPyTreeHandler.id: "pytree",
+        OrbaxJsonHandler.id: "json",
     }.get(handler_id)
 
 
@@ -668,18 +677,11 @@ def _check_best(best_fn: Any, metrics: Any, step: int) -> None:
         raise ValueError(f"step {step}: best_fn failed on metrics {metrics!r}: {e!r}") from e
 
 
-def _orbax_restore(path: Any, wanted: Mapping[str, Any] | None) -> dict[str, Any]:
+def _orbax_restore(path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
     """A step orbax-checkpoint wrote, restored by orbax-checkpoint."""
-    handler = ocp.CompositeCheckpointHandler()
-    with ocp.Checkpointer(handler) as checkpointer:
-        restored = checkpointer.restore(
-            os.fspath(path) if not isinstance(path, str) else path,
-            args=None if wanted is None else A.composite(wanted),
-        )
-    out = dict(restored.items())
-    if wanted is None:
-        out.pop("metrics", None)  # Orbax's own metrics item, not the user's
-    return out
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(os.fspath(path), A.composite(wanted))
+    return dict(restored.items())
 
 
 def _item_modes(
