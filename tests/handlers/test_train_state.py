@@ -237,6 +237,12 @@ def test_registered_dataclasses_and_namedtuples(tmp_path: Path) -> None:
     assert_close_trees(got, obj)
     plain = handler.restore(item)
     assert set(plain) == {"step", "params", "opt_state"} and set(plain["opt_state"]) == {"mu", "nu"}
+    # A dict target reads such nodes by field name (the Orbax surface builds such targets).
+    as_dicts = handler.restore(item, jax.tree_util.tree_map(lambda _: None, plain))
+    assert set(as_dicts["opt_state"]) == {"mu", "nu"}
+    assert_close_trees(as_dicts["opt_state"]["nu"], obj.opt_state.nu)
+    with pytest.raises(MismatchError, match=r"only in the checkpoint: \['nu'\]"):
+        handler.restore(item, {**plain, "opt_state": {"mu": None}})
 
 
 def test_save_dtype_restore_dtype_and_the_cast_predicates(tmp_path: Path) -> None:
