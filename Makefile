@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-first-save bench-incremental lint clean
+.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-first-save bench-incremental orbax-suite lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -81,6 +81,11 @@ bench-first-save: install
 bench-incremental: install
 	$(BIN)/python bench/bench_incremental.py
 	$(BIN)/python bench/bench_incremental.py --store s3 --size 256M
+
+# Orbax's own checkpoint_manager_test.py against cairn.manager.orbax.CheckpointManager: pass counts
+# per class of test (bench/orbax_suite; --against orbax for the baseline). About 2 minutes here.
+orbax-suite: install
+	$(BIN)/python bench/orbax_suite/run.py --against cairn --out bench/results/orbax_suite.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
