@@ -71,6 +71,8 @@ def main() -> None:
         writer_dies(procs, directory)
     elif scenario == "count":
         count_requests(procs, directory)
+    elif scenario == "orbax":
+        orbax_surface(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
     if scenario in ("peer-dies", "kill", "writer-dies"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
@@ -180,6 +182,67 @@ def packed(procs: Any, directory: str) -> None:
                     np.testing.assert_array_equal(np.asarray(shard.data), want)
                 np.testing.assert_array_equal(got["host"], np.arange(5) * step)
             assert mgr.verify(step) == []
+
+
+def orbax_surface(procs: Any, directory: str) -> None:
+    """Orbax's API (cairn.manager.orbax) with two processes, as MaxText calls it: a sharded
+    state, a JSON item and each process's grain iterator; max_to_keep; a restart restores the
+    latest step into the state's sharding and moves each iterator to its own position."""
+    import grain.python as gp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cairn.manager.orbax import CheckpointManager
+
+    mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+
+    def state(step: int) -> Any:
+        return {"w": jax.make_array_from_callback(full.shape, sharding, lambda i: full[i] * step)}
+
+    def iterator() -> Any:
+        return iter(gp.MapDataset.range(100)[procs.index :: procs.count].to_iter_dataset())
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1)
+    names = ("state", "config", "iter")
+    data = iterator()
+    with CheckpointManager(directory, options=options, item_names=names) as mngr:
+        for step in range(4):
+            next(data)
+            saved = mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state(step)),
+                    config=ocp.args.JsonSave({"step": step}),
+                    iter=gp.PyGrainCheckpointSave(data),
+                ),
+                metrics={"loss": 1.0 / (step + 1)},
+            )
+            assert saved, step
+        mngr.wait_until_finished()
+        print(f"steps {mngr.all_steps()}", flush=True)
+    expected_next = next(data)
+    abstract = {"w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharding)}
+    with CheckpointManager(directory, options=options, item_names=names) as mngr:
+        assert mngr.all_steps() == [2, 3], mngr.all_steps()
+        fresh = iterator()
+        got = mngr.restore(
+            None,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                config=ocp.args.JsonRestore(),
+                iter=gp.PyGrainCheckpointRestore(fresh),
+            ),
+        )
+        assert got.config == {"step": 3} and got.iter is fresh
+        assert got.state["w"].sharding == sharding
+        for shard in got.state["w"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * 3)
+        assert next(fresh) == expected_next, "the iterator did not resume where it was saved"
+        assert mngr.metrics(3) == {"loss": 0.25}
 
 
 def count_requests(procs: Any, directory: str) -> None:

@@ -245,6 +245,17 @@ def test_each_process_saves_and_restores_its_own_iterator(place: Place) -> None:
     assert not [k for k in place.listing() if k.startswith("checkpoint_1/data/")]
 
 
+@pytest.mark.parametrize("place", ["posix", "s3"], indirect=True)
+def test_orbax_surface_with_two_processes(place: Place) -> None:
+    """cairn.manager.orbax.CheckpointManager as MaxText uses it, on two processes: shards of a
+    sharded state from each, a JSON item, each process's grain iterator, max_to_keep; a restart
+    restores the state into its sharding and every iterator to its own position."""
+    for i, r in enumerate(launch("orbax", place.directory)):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "steps [2, 3]" in r.stdout and f"ok orbax {i}" in r.stdout, r.stdout
+    assert place.steps() == ["2", "3"], place.listing()
+
+
 def test_preemption_notice_to_one_process_saves_one_step_on_both(place: Place) -> None:
     """SIGTERM to process 1 only: through JAX's preemption sync point both save the same step,
     that save is committed when save() returns, and both stop there."""
