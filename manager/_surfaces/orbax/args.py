@@ -290,9 +290,63 @@ def tree_plan(args: Any, skeleton: Any) -> Plan:
     return Plan(restore, finish)
 
 
-def item_plan(kind: str, args: Any, skeleton: Any) -> Plan:
-    """An item's plan: pytrees by `tree_plan`; a grain iterator is moved in place (the
-    iterator given is returned, as Orbax does); JSON and arrays come back as saved."""
+def shardings_of(tree: Any) -> dict[str, Any]:
+    """Each ``jax.Array`` leaf's NamedSharding (mesh axes, device ids, partition spec), keyed
+    by its key path, for a restore without args to place the arrays as saved (Orbax reads its
+    ``_sharding`` file for that)."""
+    out = {}
+    flat, _ = _leaves(tree, lambda x: x is None)
+    for key, leaf in flat:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and isinstance(sharding, jax.sharding.NamedSharding):
+            mesh = sharding.mesh
+            out[_json_key(key)] = {
+                "axes": [[str(n), int(size)] for n, size in mesh.shape.items()],
+                "devices": [int(d.id) for d in mesh.devices.flat],
+                "spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
+            }
+    return out
+
+
+def _json_key(key: Key) -> str:
+    return "/".join(k.replace("%", "%25").replace("/", "%2F") for k in key)
+
+
+def _saved_sharding(record: Any) -> Any:
+    """The NamedSharding `shardings_of` recorded, on this run's devices; None (read onto one
+    device) if this run lacks a device it was saved on, or the record is odd."""
+    try:
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[int(i)] for i in record["devices"]]
+        names = [str(n) for n, _ in record["axes"]]
+        shape = [int(size) for _, size in record["axes"]]
+        mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), names)
+        spec = [tuple(p) if isinstance(p, list) else p for p in record["spec"]]
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    except Exception:  # a record this manager did not write: read onto one device
+        return None
+
+
+def as_saved_plan(skeleton: Any, recorded: Mapping[str, Any]) -> Plan:
+    """A pytree restored without a structure: arrays saved with a NamedSharding come back with
+    it when this run has the devices they were saved on (as Orbax's restore without args),
+    the rest as saved."""
+
+    def target_leaf(path: tuple[Any, ...], _: Any) -> Any:
+        record = recorded.get(_json_key(_norm(path)))
+        sharding = None if record is None else _saved_sharding(record)
+        return None if sharding is None else _Placed(sharding)
+
+    target = jax.tree_util.tree_map_with_path(target_leaf, skeleton, is_leaf=lambda x: x is None)
+    return Plan(TrainStateRestore(target), _same)
+
+
+def item_plan(kind: str, args: Any, skeleton: Any, recorded: Mapping[str, Any]) -> Plan:
+    """An item's plan: pytrees by `tree_plan` (without a structure: `as_saved_plan`); a grain
+    iterator is moved in place (the iterator given is returned, as Orbax does); JSON and
+    arrays come back as saved."""
+    if kind in TREES and skeleton is not None and not _has_structure(args):
+        return as_saved_plan(skeleton, recorded)
     if args is None:
         return Plan(None, _same)
     if kind in TREES:
@@ -311,15 +365,15 @@ def restore_args_for(kind: str) -> Any:
     )()
 
 
-def needs_skeleton(kind: str, args: Any) -> bool:
-    return (
-        kind in TREES
-        and args is not None
-        and (
-            getattr(args, "item", None) is not None
-            or getattr(args, "restore_args", None) is not None
-        )
+def _has_structure(args: Any) -> bool:
+    return args is not None and (
+        getattr(args, "item", None) is not None or getattr(args, "restore_args", None) is not None
     )
+
+
+def needs_skeleton(kind: str, args: Any, recorded: Mapping[str, Any]) -> bool:
+    """Whether the plan needs the stored tree: for a structure to match, or shardings to apply."""
+    return kind in TREES and (_has_structure(args) or bool(recorded))
 
 
 def to_json(name: str, value: Any) -> Any:

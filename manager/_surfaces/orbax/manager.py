@@ -72,6 +72,7 @@ class _Stored:
     committed_at: float
     path: Any
     foreign: bool
+    shardings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 class CheckpointManager:
@@ -254,12 +255,14 @@ class CheckpointManager:
         by_name = dict(args.items()) if A.is_composite(args) else {DEFAULT_ITEM_NAME: args}
         if not by_name:
             raise ValueError("args is an empty Composite: give at least one item")
-        values, kinds = {}, {}
+        values, kinds, shardings = {}, {}, {}
         for name, item_args in by_name.items():
             kind = A.kind_of_args(item_args, saving=True)
             self._bind(name, kind, item_args)
             assert kind is not None
             values[name], kinds[name] = A.save_value(name, kind, item_args), kind
+            if kind in A.TREES:
+                shardings[name] = A.shardings_of(values[name])
         recorded = None
         if metrics is not None and not self._options.prevent_write_metrics:
             recorded = A.to_json("metrics", metrics)
@@ -273,6 +276,7 @@ class CheckpointManager:
             "metrics": recorded,
             "time": info.time.timestamp(),
             "custom_metadata": A.to_json("custom_metadata", dict(custom_metadata or {})),
+            "shardings": {n: s for n, s in shardings.items() if s},
         }
         try:
             self._inner.save(
@@ -392,7 +396,7 @@ class CheckpointManager:
                 wanted = {
                     n: A.restore_args_for(k)
                     for n, k in stored.items.items()
-                    if k in A.TREES + ("json",)
+                    if k in (*A.TREES, "json")
                 }
             return _orbax_restore(stored.path, wanted)
         names = list(stored.items) if wanted is None else list(wanted)
@@ -414,17 +418,16 @@ class CheckpointManager:
                 kind = A.kind_of_args(item_args, saving=False)
                 self._bind(name, kind, item_args)
                 kinds[name] = _compatible(name, kind, stored.items[name])
+        given = {n: None if wanted is None else wanted[n] for n in names}
+        shardings = {n: stored.shardings.get(n) or {} for n in names}
         skeleton_for = [
-            n
-            for n in names
-            if A.needs_skeleton(kinds[n] or "", None if wanted is None else wanted[n])
+            n for n in names if A.needs_skeleton(kinds[n] or "", given[n], shardings[n])
         ]
         skeletons = (
             self._inner.restore(step, {n: A.NEVER for n in skeleton_for}) if skeleton_for else {}
         )
         plans = {
-            n: A.item_plan(kinds[n] or "", None if wanted is None else wanted[n], skeletons.get(n))
-            for n in names
+            n: A.item_plan(kinds[n] or "", given[n], skeletons.get(n), shardings[n]) for n in names
         }
         try:
             restored = self._inner.restore(step, {n: plan.target for n, plan in plans.items()})
@@ -573,6 +576,7 @@ class CheckpointManager:
                 committed_at=info.committed_at,
                 path=info.path,
                 foreign=False,
+                shardings=_mapping(record.get("shardings")),
             )
         names = list(info.items)
         return _Stored(
@@ -655,6 +659,13 @@ def _cairn_kind(handler_id: str) -> str | None:
         OrbaxPyTreeHandler.id: "pytree",
         OrbaxJsonHandler.id: "json",
     }.get(handler_id)
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """Mappings read from a step's metadata, by name; {} for anything else (never trusted)."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, Mapping)}
 
 
 def _numbers(metrics: Any) -> dict[str, float] | None:
