@@ -384,7 +384,7 @@ class CheckpointManager:
         return restored[DEFAULT_ITEM_NAME] if default else A.composite(restored)
 
     def _read(self, step: int, stored: _Stored, wanted: dict[str, Any] | None) -> dict[str, Any]:
-        if wanted is not None:
+        if wanted is not None and not stored.foreign:  # Orbax says which items its steps lack
             missing = [name for name in wanted if name not in stored.items]
             if missing:
                 raise KeyError(
