@@ -60,12 +60,25 @@ def kind_of_args(args: Any, *, saving: bool) -> str | None:
 
 
 def kind_of_handler(handler: Any) -> str | None:
+    """The kind of an Orbax handler (a subclass counts as its class; a legacy Checkpointer
+    wraps a handler whose args Orbax does not know, and the wrapped one counts)."""
+    if type(handler).__name__.endswith("LegacyCheckpointHandlerWrapper"):
+        handler = getattr(handler, "_handler", handler)
     for cls in type(handler).__mro__:
         if cls in _HANDLERS:
             return _HANDLERS[cls]
         if _grain(cls, "CheckpointHandler"):
             return "grain"
     return None
+
+
+def args_class(kind: str, *, saving: bool) -> type:
+    """Orbax's args class of `kind` (legacy calls, which give items without args)."""
+    if kind == "grain":
+        grain = optional("grain.python", feature="a grain iterator item")
+        return grain.PyGrainCheckpointSave if saving else grain.PyGrainCheckpointRestore
+    table = _SAVE if saving else _RESTORE
+    return next(cls for cls, k in table.items() if k == kind)
 
 
 def handler_typestr(kind: str) -> str:

@@ -101,12 +101,6 @@ class CheckpointManager:
         logger: Any = None,
         handler_registry: Any = None,
     ) -> None:
-        if checkpointers is not None:
-            raise ValueError(
-                "checkpointers= (Orbax's legacy Checkpointer objects) is not supported by "
-                "cairn.manager.orbax.CheckpointManager: give item_names= or item_handlers= and "
-                "pass args= to save() and restore() (docs/migrating-from-orbax.md)"
-            )
         options = ocp.CheckpointManagerOptions() if options is None else options
         if not isinstance(options, ocp.CheckpointManagerOptions):
             raise TypeError(
@@ -116,7 +110,7 @@ class CheckpointManager:
         check_options(options)
         self._options = options  # read, never changed
         self._default_item, self._fixed, self._kinds = _item_modes(
-            item_names, item_handlers, handler_registry
+            item_names, item_handlers, handler_registry, checkpointers
         )
         self._save_policy = decisions(options)
         self._preserve = preservation(options)
@@ -132,7 +126,7 @@ class CheckpointManager:
             keep=self._doomed,
             step_prefix=prefix,
             step_digits=digits,
-            async_save=bool(options.enable_async_checkpointing),
+            async_save=_asynchronous(options, checkpointers),
             read_only=self._read_only,
             metadata=metadata if options.save_root_metadata else None,
             primary_process=0 if primary is None else primary,
@@ -242,7 +236,8 @@ class CheckpointManager:
             raise ValueError("Must provide `args` for `save`.")
         self._default_item.set_if_none(not A.is_composite(args))
         self._check_args(items, args)
-        _refuse_legacy(items, save_kwargs)
+        if args is None:  # Orbax's legacy call: items (and save_kwargs) by the items' kinds
+            args = self._legacy_args(items, save_kwargs, saving=True)
         step = _step(step)
         if self._read_only:
             log.warning("%s is read only, save will be skipped", self.directory)
@@ -361,7 +356,7 @@ class CheckpointManager:
         if directory is not None:
             return self._restore_elsewhere(step, directory, args)
         self._check_args(items, args)
-        _refuse_legacy(items, restore_kwargs)
+        legacy = args is None and (items is not None or restore_kwargs is not None)
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -369,6 +364,8 @@ class CheckpointManager:
         step = _step(step)
         stored = self._stored(step)
         self._default_item.set_if_none(stored.default_item)
+        if legacy:
+            args = self._legacy_args(items, restore_kwargs, saving=False)
         self._check_args(None, args)
         default = bool(self._default_item.get())
         if default:
@@ -545,6 +542,25 @@ class CheckpointManager:
                 "checkpointable objects."
             )
 
+    def _legacy_args(self, items: Any, kwargs: Any, *, saving: bool) -> Any:
+        """Orbax's legacy `items` and `save_kwargs`/`restore_kwargs` as args: each item's args
+        class is that of its kind (a Checkpointer's handler, `item_handlers`, or first use)."""
+        default = bool(self._default_item.get())
+        if default:
+            items = {} if items is None and not saving else {DEFAULT_ITEM_NAME: items}
+            kwargs = {} if kwargs is None else {DEFAULT_ITEM_NAME: kwargs}
+        items, kwargs = dict(items or {}), dict(kwargs or {})
+        by_name = {}
+        for name in sorted(set(items) | set(kwargs)):
+            kind = self._kinds.get(name)
+            if kind is None:
+                raise ValueError(f'Unknown key "{name}" in CompositeCheckpointHandler.')
+            cls = A.args_class(kind, saving=saving)
+            by_name[name] = cls(items.get(name), **(kwargs.get(name) or {}))
+        if default and by_name:
+            return by_name[DEFAULT_ITEM_NAME]
+        return A.composite(by_name)
+
     def _bind(self, name: str, kind: str | None, item_args: Any) -> None:
         """Fix item `name`'s kind on first use (as Orbax registers a handler); an args type of
         another kind, or an item outside `item_names`, is Orbax's ValueError."""
@@ -632,15 +648,6 @@ def _step(step: Any) -> int:
     return value
 
 
-def _refuse_legacy(items: Any, kwargs: Any) -> None:
-    if items is not None or kwargs is not None:
-        raise ValueError(
-            "items= and save_kwargs=/restore_kwargs= (Orbax's legacy API) are not supported by "
-            "cairn.manager.orbax.CheckpointManager: pass args=ocp.args.Composite(...) "
-            "(docs/migrating-from-orbax.md)"
-        )
-
-
 def _compatible(name: str, kind: str | None, stored: str | None) -> str | None:
     """A restore's kind against the stored one: the two pytree kinds read each other."""
     if kind is None or stored is None or kind == stored:
@@ -695,11 +702,29 @@ def _orbax_restore(path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
     return dict(restored.items())
 
 
+def _asynchronous(options: Any, checkpointers: Any) -> bool:
+    """Orbax's legacy Checkpointers decide it by their class; else the option."""
+    if checkpointers is None:
+        return bool(options.enable_async_checkpointing)
+    given = checkpointers.values() if isinstance(checkpointers, Mapping) else [checkpointers]
+    return any(isinstance(c, ocp.AsyncCheckpointer) for c in given)
+
+
 def _item_modes(
-    item_names: Sequence[str] | None, item_handlers: Any, registry: Any
+    item_names: Sequence[str] | None, item_handlers: Any, registry: Any, checkpointers: Any
 ) -> tuple[_DefaultItem, set[str] | None, dict[str, str]]:
     """Orbax's constructor modes: the default-item flag, the names allowed (None: any), and
-    the items whose kind a handler fixes."""
+    the items whose kind a handler fixes (legacy `checkpointers`: their handlers')."""
+    if checkpointers is not None:
+        if item_names is not None or item_handlers is not None or registry is not None:
+            raise ValueError(
+                "`checkpointers` should not be provided together with `item_names`, "
+                "`item_handlers` or `handler_registry`."
+            )
+        if isinstance(checkpointers, Mapping):
+            item_handlers = {n: getattr(c, "handler", c) for n, c in checkpointers.items()}
+        else:
+            item_handlers = getattr(checkpointers, "handler", checkpointers)
     single = isinstance(item_handlers, ocp.CheckpointHandler)
     if item_names is not None and single:
         raise ValueError(
