@@ -18,12 +18,14 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
-from cairn.handlers.errors import MismatchError, StepNotFoundError
+from cairn.handlers.errors import CairnError, MismatchError, StepNotFoundError
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
+from cairn.handlers.io import parse_json, read_no_follow
 from cairn.manager._core.manager import CheckpointManager as _Manager
 from cairn.manager._surfaces.orbax import args as A
 from cairn.manager._surfaces.orbax.policies import Doomed, check_options, decisions, preservation
@@ -120,6 +122,9 @@ class CheckpointManager:
         self._read_only = bool(options.read_only)
         prefix, digits = _naming(options)
         where = _directory(directory, create=options.create, read_only=self._read_only)
+        self._orbax_metadata = _orbax_root_metadata(where)  # an Orbax run's: it was first
+        if self._orbax_metadata is not None:
+            metadata = None
         primary = options.multiprocessing_options.primary_host
         self._inner = _Manager(
             where,
@@ -465,7 +470,9 @@ class CheckpointManager:
         a step: its ``StepMetadata`` (item handlers, item metadata, metrics, times,
         `custom_metadata`)."""
         if step is None:
-            custom = self._inner.metadata() if self._options.save_root_metadata else {}
+            custom = self._orbax_metadata
+            if custom is None:
+                custom = self._inner.metadata() if self._options.save_root_metadata else {}
             return ocp.metadata.RootMetadata(custom_metadata=dict(custom or {}))
         step = _step(step)
         stored = self._stored(step)
@@ -765,6 +772,30 @@ def _item_modes(
         raise TypeError(f"item_names must be a sequence of names, got {item_names!r}")
     names = set(item_names or ()) | set(kinds)
     return _DefaultItem(False), names, kinds
+
+
+_ORBAX_ROOT_METADATA = ("metadata/_ROOT_METADATA", "metadata/metadata")  # new, legacy
+
+
+def _orbax_root_metadata(where: str) -> dict[str, Any] | None:
+    """The root metadata an Orbax run wrote into a local directory (its ``custom_metadata``),
+    or None; an unreadable file is logged and ignored."""
+    for relpath in _ORBAX_ROOT_METADATA:
+        path = os.path.join(where, relpath)
+        if "://" in where or not os.path.isfile(path):
+            continue
+        try:
+            data = parse_json(read_no_follow(Path(path)), path)
+        except (OSError, CairnError) as e:
+            log.warning("cairn: ignoring Orbax's root metadata %s: %s", path, e)
+            return None
+        if relpath.endswith("_ROOT_METADATA") and isinstance(data, dict):
+            data = data.get("custom_metadata")
+        if isinstance(data, dict):
+            return data
+        log.warning("cairn: ignoring Orbax's root metadata %s: not a JSON object", path)
+        return None
+    return None
 
 
 def _naming(options: Any) -> tuple[str, int | None]:
