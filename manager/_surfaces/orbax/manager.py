@@ -23,7 +23,12 @@ from types import TracebackType
 from typing import Any
 
 from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
-from cairn.handlers.errors import CairnError, MismatchError, StepNotFoundError
+from cairn.handlers.errors import (
+    CairnError,
+    CorruptCheckpointError,
+    MismatchError,
+    StepNotFoundError,
+)
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
 from cairn.handlers.io import parse_json, read_no_follow
 from cairn.manager._core.manager import CheckpointManager as _Manager
@@ -37,6 +42,7 @@ log = logging.getLogger("cairn")
 __all__ = ["CheckpointManager", "StepAlreadyExistsError"]
 
 DEFAULT_ITEM_NAME = "default"
+_KINDS = ("standard", "pytree", "json", "array", "grain")
 _RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
 _SLOW_WAIT_S = 1.0
 
@@ -588,14 +594,20 @@ class CheckpointManager:
             raise FileNotFoundError(f"Checkpoint at {self.directory}/{step} not found.") from None
         record = info.metadata.get(_RECORD)
         foreign = info.metadata.get("format") == "orbax"
-        if isinstance(record, Mapping):
-            kinds = dict(record.get("items") or {})
+        if isinstance(record, Mapping):  # written by this surface; read as untrusted all the same
+            kinds = record.get("items")
+            kinds = kinds if isinstance(kinds, Mapping) else {}
+            when = record.get("time")
+            if not (isinstance(when, (int, float)) and 0 <= when < 1e11):  # until the year 5138
+                when = info.started_at
+            metrics = record.get("metrics")
+            custom = record.get("custom_metadata")
             return _Stored(
-                items={n: kinds.get(n) for n in info.items},
-                default_item=bool(record.get("default_item")),
-                metrics=record.get("metrics"),
-                custom_metadata=dict(record.get("custom_metadata") or {}),
-                started_at=float(record.get("time") or info.started_at),
+                items={n: k if k in _KINDS else None for n in info.items for k in [kinds.get(n)]},
+                default_item=record.get("default_item") is True,
+                metrics=metrics if isinstance(metrics, Mapping) else None,
+                custom_metadata=dict(custom) if isinstance(custom, Mapping) else {},
+                started_at=float(when),
                 committed_at=info.committed_at,
                 path=info.path,
                 foreign=False,
@@ -621,7 +633,11 @@ class CheckpointManager:
             if light:
                 when, metrics = datetime.datetime.min, None
             else:
-                stored = self._stored(step)
+                try:
+                    stored = self._stored(step)
+                except CorruptCheckpointError as e:  # restore(None) goes to the newest intact one
+                    log.warning("cairn: step %d is damaged and not listed: %s", step, e)
+                    continue
                 when = datetime.datetime.fromtimestamp(stored.started_at, tz=datetime.timezone.utc)
                 metrics = stored.metrics
             infos.append(
