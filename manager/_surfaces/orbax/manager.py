@@ -363,19 +363,35 @@ class CheckpointManager:
     ) -> Any:
         """Restore `step` (None: the latest) with Orbax's `args`: a Composite of the items
         wanted (attribute and key access), or the bare item in default-item mode. Without
-        args, every item of the step. A step Orbax wrote is restored by Orbax itself."""
+        args, every item of the step. A step Orbax wrote is restored by Orbax itself.
+
+        With ``step=None`` a latest step found damaged (CorruptCheckpointError: a file
+        missing, truncated or failing its checksum) is passed over, with a warning, for the
+        next older one; the error is raised if none restores. A given step's is raised."""
         if directory is not None:
             return self._restore_elsewhere(step, directory, args)
         self._check_args(items, args)
-        legacy = args is None and (items is not None or restore_kwargs is not None)
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"No steps found in {self.directory}.")
-        step = _step(step)
+        if step is not None:
+            return self._restore_step(_step(step), items, restore_kwargs, args)
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"No steps found in {self.directory}.")
+        first: CorruptCheckpointError | None = None
+        for candidate in reversed(steps):
+            try:
+                return self._restore_step(candidate, items, restore_kwargs, args)
+            except CorruptCheckpointError as e:
+                log.warning(
+                    "cairn: the latest step %d is damaged, trying an older one: %s", candidate, e
+                )
+                first = first or e
+        assert first is not None
+        raise first
+
+    def _restore_step(self, step: int, items: Any, restore_kwargs: Any, args: Any) -> Any:
         stored = self._stored(step)
         self._default_item.set_if_none(stored.default_item)
-        if legacy:
+        if args is None and (items is not None or restore_kwargs is not None):
             args = self._legacy_args(items, restore_kwargs, saving=False)
         self._check_args(None, args)
         default = bool(self._default_item.get())
