@@ -371,11 +371,15 @@ def item_plan(kind: str, args: Any, skeleton: Any, recorded: Mapping[str, Any]) 
     return Plan(None, _same)
 
 
-def restore_args_for(kind: str) -> Any:
-    """Orbax's args that restore an item of `kind` as saved."""
-    return {"json": ocp.args.JsonRestore, "array": ocp.args.ArrayRestore}.get(
-        kind, ocp.args.PyTreeRestore
-    )()
+def restore_args_for(typestr: Any) -> Any:
+    """Orbax's args that restore, as saved, an item whose handler Orbax recorded as
+    `typestr`; None for a handler without such args (grain's needs the iterator)."""
+    for cls, kind in _HANDLERS.items():
+        if typestr == f"{cls.__module__}.{cls.__qualname__}" or (
+            isinstance(typestr, str) and typestr.endswith("." + cls.__name__)
+        ):
+            return next(c for c, k in _RESTORE.items() if k == kind)()
+    return None
 
 
 def _has_structure(args: Any) -> bool:
@@ -387,6 +391,35 @@ def _has_structure(args: Any) -> bool:
 def needs_skeleton(kind: str, args: Any, recorded: Mapping[str, Any]) -> bool:
     """Whether the plan needs the stored tree: for a structure to match, or shardings to apply."""
     return kind in TREES and (_has_structure(args) or bool(recorded))
+
+
+class TreeMetadata(dict):
+    """A pytree item's metadata, as Orbax's: the stored tree (dicts and lists) with a
+    ``jax.ShapeDtypeStruct`` for each array and the value of each Python scalar; also as
+    ``.tree``, Orbax's attribute."""
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def tree_metadata(skeleton: Any, described: Mapping[str, Any]) -> Any:
+    """`TreeMetadata` from the stored tree (`NEVER`) and cairn's description of its leaves."""
+    by_path = {leaf.get("path"): leaf for leaf in described.get("leaves", ())}
+
+    def leaf(path: tuple[Any, ...], value: Any) -> Any:
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        found = by_path.get("".join(f"[{k!r}]" for k in keys) or "<root>", {})
+        if "shape" not in found:
+            return value
+        try:
+            dtype: Any = np.dtype(found["dtype"])
+        except TypeError:
+            dtype = found["dtype"]
+        return jax.ShapeDtypeStruct(tuple(found["shape"]), dtype)
+
+    tree = jax.tree_util.tree_map_with_path(leaf, skeleton, is_leaf=lambda x: x is None)
+    return TreeMetadata(tree) if isinstance(tree, Mapping) else tree
 
 
 def to_json(name: str, value: Any) -> Any:

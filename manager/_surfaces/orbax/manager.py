@@ -416,11 +416,13 @@ class CheckpointManager:
                     f"{sorted(stored.items)}"
                 )
         if stored.foreign:
-            if wanted is None:  # every item Orbax can restore without args
+            if wanted is None:  # every item of the user's, by the handler Orbax recorded for it
+                handlers = _orbax_metadata(stored.path).item_handlers
+                handlers = handlers if isinstance(handlers, Mapping) else {}
                 wanted = {
-                    n: A.restore_args_for(k)
-                    for n, k in stored.items.items()
-                    if k in (*A.TREES, "json")
+                    n: args
+                    for n, typestr in handlers.items()
+                    if n != "metrics" and (args := A.restore_args_for(typestr)) is not None
                 }
             return _orbax_restore(stored.path, wanted)
         names = list(stored.items) if wanted is None else list(wanted)
@@ -498,13 +500,20 @@ class CheckpointManager:
             return ocp.metadata.RootMetadata(custom_metadata=dict(custom or {}))
         step = _step(step)
         stored = self._stored(step)
+        if stored.foreign:
+            return _orbax_metadata(stored.path)
         described = self._inner.describe(step)
+        trees = [n for n, k in stored.items.items() if k in A.TREES]
+        skeletons = self._inner.restore(step, {n: A.NEVER for n in trees}) if trees else {}
+        by_item = {
+            n: A.tree_metadata(skeletons[n], described[n]) if n in skeletons else described.get(n)
+            for n in stored.items
+        }
         if self._default_item.get() or (self._default_item.get() is None and stored.default_item):
-            item_metadata = (
-                described.get(DEFAULT_ITEM_NAME) if DEFAULT_ITEM_NAME in self._kinds else None
-            )
+            known = DEFAULT_ITEM_NAME in self._kinds  # Orbax: None until the item is used
+            item_metadata = by_item.get(DEFAULT_ITEM_NAME) if known else None
         else:
-            item_metadata = A.composite({n: described.get(n) for n in stored.items})
+            item_metadata = A.composite(by_item)
         return ocp.metadata.StepMetadata(
             item_handlers={n: A.handler_typestr(k) for n, k in stored.items.items() if k},
             item_metadata=item_metadata,
@@ -732,6 +741,12 @@ def _check_best(best_fn: Any, metrics: Any, step: int) -> None:
         float(value)
     except Exception as e:
         raise ValueError(f"step {step}: best_fn failed on metrics {metrics!r}: {e!r}") from e
+
+
+def _orbax_metadata(path: Any) -> Any:
+    """The StepMetadata of a step orbax-checkpoint wrote, read by orbax-checkpoint."""
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        return checkpointer.metadata(os.fspath(path))
 
 
 def _orbax_restore(path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
