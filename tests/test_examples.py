@@ -65,3 +65,24 @@ def test_train_and_resume_example(tmp_path: Path, pipeline: str, seed: int) -> N
         run("metrics", ckpts, "--plot", str(plot), "--mode", "min").returncode == 0
         and plot.stat().st_size > 0
     )
+
+
+def test_orbax_swap_example(tmp_path: Path) -> None:
+    """An Orbax trainer (MaxText's calls) swaps to cairn.manager.orbax mid-run, is killed with
+    SIGKILL, resumes, and every loss equals the uninterrupted Orbax run's (the example checks
+    it and exits non-zero otherwise); the steps left are cairn's newest and Orbax's older ones."""
+    example = EXAMPLE.with_name("orbax_swap.py")
+    cmd = [sys.executable, str(example), "--dir", str(tmp_path / "run"), "--seed", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out = done.stdout
+    assert "resumed cairn from step" in out and "killed with SIGKILL" in out, out
+    assert "OK: every loss of the swapped, killed and resumed run equals the reference's" in out
+    cairn = str(Path(sys.executable).with_name("cairn"))
+    verify = subprocess.run(
+        [cairn, "verify", str(tmp_path / "run" / "swapped"), "--step-prefix", ""],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
