@@ -264,7 +264,9 @@ def decode(
             return read_leaf(node, NONE, path)
         raise CorruptCheckpointError(f"unknown node type {t!r} at {keystr(path)} in {TREE}")
     if isinstance(target, Mapping):  # also for a namedtuple or registered node: by field name
-        by_key = _match_keys(node, list(target), path, "a dict", ok=("dict", "namedtuple", "custom"))
+        by_key = _match_keys(
+            node, list(target), path, "a dict", ok=("dict", "namedtuple", "custom")
+        )
         return like(
             target, {k: decode(by_key[k], read_leaf, target[k], (*path, k)) for k in target}
         )
