@@ -9,6 +9,7 @@ manager restores an item without args as Orbax does.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -420,6 +421,31 @@ def tree_metadata(skeleton: Any, described: Mapping[str, Any]) -> Any:
 
     tree = jax.tree_util.tree_map_with_path(leaf, skeleton, is_leaf=lambda x: x is None)
     return TreeMetadata(tree) if isinstance(tree, Mapping) else tree
+
+
+_FLOAT = "$float"  # NaN and infinities in a record (JSON has none): {"$float": "nan"}
+
+
+def encode_floats(value: Any) -> Any:
+    """`value` (JSON data) with each non-finite float as ``{"$float": repr}``: a diverged
+    run's NaN loss is saved, not refused, and comes back as the float it was."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT: repr(value)}
+    if isinstance(value, Mapping):
+        return {k: encode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encode_floats(v) for v in value]
+    return value
+
+
+def decode_floats(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        if set(value) == {_FLOAT} and value[_FLOAT] in ("nan", "inf", "-inf"):
+            return float(value[_FLOAT])
+        return {k: decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_floats(v) for v in value]
+    return value
 
 
 def to_json(name: str, value: Any) -> Any:

@@ -10,6 +10,7 @@ listed and restored in place, by Orbax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -143,7 +144,6 @@ class CheckpointManager:
             primary_process=0 if primary is None else primary,
             barrier_timeout=_barrier_timeout(options),
         )
-        self._given_metadata = metadata if options.save_root_metadata else None
         self._checkpoints = self._infos(light=bool(options.lightweight_initialize))
 
     # ------------------------------------------------------------------ properties
@@ -176,7 +176,11 @@ class CheckpointManager:
         best_fn = self._options.best_fn
         if best_fn is None:
             return self.latest_step()
-        scored = [(float(best_fn(i.metrics)), i.step) for i in self._checkpoints if i.metrics]
+        scored = []
+        for info in self._checkpoints:
+            if info.metrics:
+                with contextlib.suppress(Exception):  # metrics best_fn cannot rank: unranked
+                    scored.append((float(best_fn(info.metrics)), info.step))
         if not scored:
             return None
         sign = -1.0 if self._options.best_mode == "min" else 1.0
@@ -275,15 +279,15 @@ class CheckpointManager:
         info = ocp.checkpoint_manager.CheckpointInfo(step=step, time=_now(), metrics=recorded)
         if recorded is not None and self._options.best_fn is not None:
             _check_best(self._options.best_fn, recorded, step)
-        kept = self._apply_preservation(info)
         record = {
             "items": kinds,
             "default_item": bool(self._default_item.get()),
-            "metrics": recorded,
+            "metrics": A.encode_floats(recorded),
             "time": info.time.timestamp(),
             "custom_metadata": A.to_json("custom_metadata", dict(custom_metadata or {})),
             "shardings": {n: s for n, s in shardings.items() if s},
         }
+        kept = self._apply_preservation(info)  # the last check: it dooms steps
         try:
             self._inner.save(
                 step,
@@ -625,7 +629,7 @@ class CheckpointManager:
             when = record.get("time")
             if not (isinstance(when, (int, float)) and 0 <= when < 1e11):  # until the year 5138
                 when = info.started_at
-            metrics = record.get("metrics")
+            metrics = A.decode_floats(record.get("metrics"))
             custom = record.get("custom_metadata")
             return _Stored(
                 items={n: k if k in _KINDS else None for n in info.items for k in [kinds.get(n)]},
