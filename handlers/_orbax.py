@@ -10,7 +10,7 @@ orbax-checkpoint runs each of its coroutines on a fresh event loop and closes th
 the coroutine ends, also when it ends on the first failed read of a damaged step while its other
 TensorStore reads still run; each of those then completes into a closed loop and Python prints
 ``RuntimeError: Event loop is closed`` ("Exception ignored"), once per read. While these handlers
-call orbax, `_orbax_finishes_its_reads` has it wait for those reads (at most `_FINISH_S`) first.
+call orbax, `orbax_reads_finish` has it wait for those reads (at most `_FINISH_S`) first.
 
 An Orbax step is a directory cairn did not write, so everything in it is untrusted: cairn's own
 reads never follow a link (the manager's `_layouts` read the step's listing and small files
@@ -126,7 +126,7 @@ class _ReadOnly:
 
 _FINISH_S = 30.0
 _patch_lock = threading.Lock()
-_patch_users = 0  # callers inside _orbax_finishes_its_reads
+_patch_users = 0  # callers inside orbax_reads_finish
 _patched_out: Any = None  # orbax's own function while swapped
 
 
@@ -154,7 +154,7 @@ def _run_sync_finishing(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _orbax_finishes_its_reads() -> Iterator[None]:
+def orbax_reads_finish() -> Iterator[None]:
     """While inside, orbax-checkpoint's `run_sync` waits for the reads a failed coroutine left
     running (see the module docstring). Nests and overlaps across threads; the first to enter
     swaps orbax's function, the last to leave puts it back. With an orbax that has no such
@@ -217,7 +217,7 @@ class OrbaxPyTreeHandler(_ReadOnly):
         check_tree(directory, where)
         checkpointer = ocp.PyTreeCheckpointer()
         try:
-            with _orbax_finishes_its_reads():
+            with orbax_reads_finish():
                 return self._restore(ocp, checkpointer, stored, directory, target)
         except CorruptCheckpointError:
             raise

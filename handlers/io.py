@@ -14,7 +14,8 @@ one read, before an incremental save links it).
 Array dtypes as ``tree.json`` names them: `dtype_name`, `dtype_from_name`. Object states
 (``get_state()``/``state_dict()``) as JSON: `has_state_methods`, `encode_state`, `decode_state`.
 Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`,
-`orbax_listing_kind`. Optional libraries: `optional` (a missing one raises
+`orbax_listing_kind`, and around orbax's own reads of one (the Orbax surface's):
+`check_orbax_tree`, `orbax_reads_finish`. Optional libraries: `optional` (a missing one raises
 MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
 them (nothing, or the handler's own value, where a snapshot or handler lacks one):
 `settle_snapshot`, `release_snapshot`, `snapshot_version`, `check_item`.
@@ -39,7 +40,8 @@ from cairn.handlers._iterators import decode_state, encode_state, has_state_meth
 from cairn.handlers._optional import optional
 from cairn.handlers._orbax import COMMIT_SUCCESS as ORBAX_COMMIT_SUCCESS
 from cairn.handlers._orbax import STEP_METADATA as ORBAX_STEP_METADATA
-from cairn.handlers._orbax import orbax_listing_kind
+from cairn.handlers._orbax import check_tree as check_orbax_tree
+from cairn.handlers._orbax import orbax_listing_kind, orbax_reads_finish
 from cairn.handlers._packs import chunks_by_pack
 from cairn.handlers._protocol import (
     check_item,
@@ -61,6 +63,7 @@ __all__ = [
     "StagingPool",
     "WriteBudget",
     "check_item",
+    "check_orbax_tree",
     "check_relative",
     "chunks_by_pack",
     "decode_state",
@@ -74,6 +77,7 @@ __all__ = [
     "open_regular",
     "optional",
     "orbax_listing_kind",
+    "orbax_reads_finish",
     "parse_json",
     "read_no_follow",
     "release_snapshot",

@@ -268,9 +268,9 @@ def test_orbax_waits_for_its_reads_only_while_cairn_calls_it(
     impl = importlib.import_module("cairn.handlers._orbax")
 
     own = asyncio_utils._run_sync_via_new_loop
-    with impl._orbax_finishes_its_reads():
+    with impl.orbax_reads_finish():
         assert asyncio_utils._run_sync_via_new_loop is impl._run_sync_finishing
-        with impl._orbax_finishes_its_reads():
+        with impl.orbax_reads_finish():
             pass
         assert asyncio_utils._run_sync_via_new_loop is impl._run_sync_finishing
     assert asyncio_utils._run_sync_via_new_loop is own
@@ -292,5 +292,5 @@ def test_orbax_waits_for_its_reads_only_while_cairn_calls_it(
         impl._run_sync_finishing(fails_leaving(finish=True))
 
     monkeypatch.delattr(asyncio_utils, "_run_sync_via_new_loop")
-    with impl._orbax_finishes_its_reads():
+    with impl.orbax_reads_finish():
         assert not hasattr(asyncio_utils, "_run_sync_via_new_loop")

@@ -190,11 +190,13 @@ def _want(leaf: Any, args: Any) -> _Want:
     sharding = getattr(leaf, "sharding", None)
     dtype = getattr(leaf, "dtype", None)
     shape = getattr(leaf, "shape", None)
-    restore_type = None
+    restore_type: Any = None
     if isinstance(leaf, np.ndarray):
         restore_type = np.ndarray
     elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         restore_type = jax.Array
+    elif isinstance(leaf, (bool, int, float, complex)):  # a Python scalar comes back as one
+        restore_type, dtype, shape = type(leaf), None, None
     if isinstance(args, ocp.RestoreArgs):
         restore_type = args.restore_type or restore_type
         dtype = args.dtype if args.dtype is not None else dtype
@@ -265,6 +267,12 @@ def tree_plan(args: Any, skeleton: Any) -> Plan:
     if item is not None and restore_args is not None:
         flat, _ = _leaves(restore_args, _user_leaf)
         per_leaf = dict(flat)
+        if set(per_leaf) != {k for k, _ in user}:  # Orbax: a pytree structure error
+            odd = sorted(set(per_leaf) ^ {k for k, _ in user})[:5]
+            raise ValueError(
+                "restore_args does not have the structure of the item: key paths in one and "
+                f"not the other: {['/'.join(k) or '<root>' for k in odd]}"
+            )
     stored, _ = _leaves(skeleton, lambda x: x is None)
     have = {k for k, _ in stored}
     wants: dict[Key, _Want] = {}
@@ -460,7 +468,10 @@ def to_json(name: str, value: Any) -> Any:
         if isinstance(x, (str, bool, int, float)) or x is None:
             return x
         if hasattr(x, "dtype") and hasattr(x, "shape"):
-            return np.asarray(x).tolist()
+            return plain(np.asarray(x).tolist())
         raise TypeError(f"{name}: {type(x).__qualname__} is not JSON (a number, str, list, dict)")
 
-    return plain(value)
+    try:
+        return plain(value)
+    except RecursionError:
+        raise TypeError(f"{name} is nested too deeply, or holds itself") from None

@@ -13,17 +13,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
+from cairn.handlers import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import (
     CairnError,
     CorruptCheckpointError,
@@ -31,7 +32,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
 )
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
-from cairn.handlers.io import parse_json, read_no_follow
+from cairn.handlers.io import check_orbax_tree, orbax_reads_finish, parse_json, read_no_follow
 from cairn.manager._core.manager import CheckpointManager as _Manager
 from cairn.manager._surfaces.orbax import args as A
 from cairn.manager._surfaces.orbax.policies import Doomed, check_options, decisions, preservation
@@ -44,6 +45,7 @@ __all__ = ["CheckpointManager", "StepAlreadyExistsError"]
 
 DEFAULT_ITEM_NAME = "default"
 _KINDS = ("standard", "pytree", "json", "array", "grain")
+_ORBAX_HANDLERS = (OrbaxPyTreeHandler.id, OrbaxJsonHandler.id, OrbaxDatasetHandler.id)
 _RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
 _SLOW_WAIT_S = 1.0
 
@@ -124,13 +126,14 @@ class CheckpointManager:
         self._save_policy = decisions(options)
         self._preserve = preservation(options)
         self._doomed = Doomed()
+        self._restored: dict[str, str] = {}  # item -> kind, learned from restores without args
         self._logger = logger
         self._wait_lock = threading.Lock()
         self._read_only = bool(options.read_only)
         prefix, digits = _naming(options)
         where = _directory(directory, create=options.create, read_only=self._read_only)
-        self._orbax_metadata = _orbax_root_metadata(where)  # an Orbax run's: it was first
-        if self._orbax_metadata is not None:
+        self._orbax_root = _orbax_root_metadata(where)  # an Orbax run's: it was first
+        if self._orbax_root is not None:
             metadata = None
         primary = options.multiprocessing_options.primary_host
         self._inner = _Manager(
@@ -268,11 +271,14 @@ class CheckpointManager:
         values, kinds, shardings = {}, {}, {}
         for name, item_args in by_name.items():
             kind = A.kind_of_args(item_args, saving=True)
-            self._bind(name, kind, item_args)
+            self._bind(name, kind, item_args, check_only=True)  # bound once all checks passed
             assert kind is not None
             values[name], kinds[name] = A.save_value(name, kind, item_args), kind
             if kind in A.TREES:
                 shardings[name] = A.shardings_of(values[name])
+        custom = {} if custom_metadata is None else custom_metadata
+        if not isinstance(custom, Mapping):
+            raise TypeError(f"custom_metadata must be a mapping, got {type(custom).__qualname__}")
         recorded = None
         if metrics is not None and not self._options.prevent_write_metrics:
             recorded = A.to_json("metrics", metrics)
@@ -284,9 +290,11 @@ class CheckpointManager:
             "default_item": bool(self._default_item.get()),
             "metrics": A.encode_floats(recorded),
             "time": info.time.timestamp(),
-            "custom_metadata": A.to_json("custom_metadata", dict(custom_metadata or {})),
+            "custom_metadata": A.encode_floats(A.to_json("custom_metadata", custom)),
             "shardings": {n: s for n, s in shardings.items() if s},
         }
+        for name, item_args in by_name.items():
+            self._bind(name, kinds[name], item_args)
         kept = self._apply_preservation(info)  # the last check: it dooms steps
         try:
             self._inner.save(
@@ -311,9 +319,14 @@ class CheckpointManager:
         doomed now (cairn's retention deletes them after the new step commits); the kept list
         becomes `_checkpoints` once the save started."""
         candidates = sorted([*self._checkpoints, new], key=lambda i: i.step)
-        flags = self._preserve.should_preserve(
-            candidates, context=ocp.checkpoint_managers.PreservationContext()
-        )
+        try:
+            flags = self._preserve.should_preserve(
+                candidates, context=ocp.checkpoint_managers.PreservationContext()
+            )
+        except Exception as e:
+            raise ValueError(
+                f"step {new.step}: the preservation policy failed on the steps' metrics: {e!r}"
+            ) from e
         self._doomed.propose(
             {i.step for i, keep in zip(candidates, flags, strict=True) if not keep}, new.step
         )
@@ -421,20 +434,20 @@ class CheckpointManager:
                 )
         if stored.foreign:
             if wanted is None:  # every item of the user's, by the handler Orbax recorded for it
-                handlers = _orbax_metadata(stored.path).item_handlers
+                handlers = _orbax_metadata(step, stored.path).item_handlers
                 handlers = handlers if isinstance(handlers, Mapping) else {}
                 wanted = {
                     n: args
                     for n, typestr in handlers.items()
                     if n != "metrics" and (args := A.restore_args_for(typestr)) is not None
                 }
-            return _orbax_restore(stored.path, wanted)
+            return _orbax_restore(step, stored.path, wanted)
         names = list(stored.items) if wanted is None else list(wanted)
         kinds: dict[str, str | None] = {}
         for name in names:
             item_args = None if wanted is None else wanted[name]
             if item_args is None:
-                kind = self._kinds.get(name)
+                kind = self._kinds.get(name) or self._restored.get(name)
                 if kind is None and wanted is not None:
                     raise ValueError(
                         f"Provided `None` for `CheckpointArgs`, and the `CheckpointHandler` for "
@@ -442,8 +455,8 @@ class CheckpointManager:
                         "`item_handlers`; if restoring, provide `args` for the item"
                     )
                 kinds[name] = kind or stored.items[name]
-                if kinds[name] is not None and name not in self._kinds:
-                    self._kinds[name] = kinds[name]  # type: ignore[assignment]
+                if kinds[name] is not None:  # a later restore(args=Composite(name=None)) works
+                    self._restored.setdefault(name, kinds[name])  # type: ignore[arg-type]
             else:
                 kind = A.kind_of_args(item_args, saving=False)
                 self._bind(name, kind, item_args)
@@ -459,10 +472,7 @@ class CheckpointManager:
         plans = {
             n: A.item_plan(kinds[n] or "", given[n], skeletons.get(n), shardings[n]) for n in names
         }
-        try:
-            restored = self._inner.restore(step, {n: plan.target for n, plan in plans.items()})
-        except MismatchError as e:
-            raise ValueError(str(e)) from e
+        restored = self._inner.restore(step, {n: plan.target for n, plan in plans.items()})
         return {n: plans[n].finish(restored[n]) for n in names}
 
     def _restore_elsewhere(self, step: int | None, directory: Any, args: Any) -> Any:
@@ -498,14 +508,14 @@ class CheckpointManager:
         a step: its ``StepMetadata`` (item handlers, item metadata, metrics, times,
         `custom_metadata`)."""
         if step is None:
-            custom = self._orbax_metadata
+            custom = self._orbax_root
             if custom is None:
                 custom = self._inner.metadata() if self._options.save_root_metadata else {}
             return ocp.metadata.RootMetadata(custom_metadata=dict(custom or {}))
         step = _step(step)
         stored = self._stored(step)
         if stored.foreign:
-            return _orbax_metadata(stored.path)
+            return _orbax_metadata(step, stored.path)
         described = self._inner.describe(step)
         trees = [n for n, k in stored.items.items() if k in A.TREES]
         skeletons = self._inner.restore(step, {n: A.NEVER for n in trees}) if trees else {}
@@ -603,7 +613,9 @@ class CheckpointManager:
             return by_name[DEFAULT_ITEM_NAME]
         return A.composite(by_name)
 
-    def _bind(self, name: str, kind: str | None, item_args: Any) -> None:
+    def _bind(
+        self, name: str, kind: str | None, item_args: Any, *, check_only: bool = False
+    ) -> None:
         """Fix item `name`'s kind on first use (as Orbax registers a handler); an args type of
         another kind, or an item outside `item_names`, is Orbax's ValueError."""
         known = self._kinds.get(name)
@@ -614,7 +626,8 @@ class CheckpointManager:
                 f"handler! Registered handlers: {dict(sorted(self._kinds.items()))}"
                 + ("" if kind is not None else "; cairn has no counterpart of these args")
             )
-        self._kinds[name] = kind
+        if not check_only:
+            self._kinds[name] = kind
 
     def _stored(self, step: int) -> _Stored:
         try:
@@ -622,19 +635,20 @@ class CheckpointManager:
         except StepNotFoundError:
             raise FileNotFoundError(f"Checkpoint at {self.directory}/{step} not found.") from None
         record = info.metadata.get(_RECORD)
-        foreign = info.metadata.get("format") == "orbax"
-        if isinstance(record, Mapping):  # written by this surface; read as untrusted all the same
+        foreign = info.metadata.get("format") == "orbax" and all(
+            i.handler in _ORBAX_HANDLERS for i in info.items.values()
+        )  # as cairn's reader of Orbax's layout describes a step; a user's metadata cannot
+        if isinstance(record, Mapping) and not foreign:  # this surface's; untrusted all the same
             kinds = record.get("items")
             kinds = kinds if isinstance(kinds, Mapping) else {}
             when = record.get("time")
             if not (isinstance(when, (int, float)) and 0 <= when < 1e11):  # until the year 5138
                 when = info.started_at
-            metrics = A.decode_floats(record.get("metrics"))
-            custom = record.get("custom_metadata")
+            custom = A.decode_floats(record.get("custom_metadata"))
             return _Stored(
                 items={n: k if k in _KINDS else None for n in info.items for k in [kinds.get(n)]},
-                default_item=record.get("default_item") is True,
-                metrics=metrics if isinstance(metrics, Mapping) else None,
+                default_item=record.get("default_item") is True and DEFAULT_ITEM_NAME in info.items,
+                metrics=A.decode_floats(record.get("metrics")),
                 custom_metadata=dict(custom) if isinstance(custom, Mapping) else {},
                 started_at=float(when),
                 committed_at=info.committed_at,
@@ -664,15 +678,28 @@ class CheckpointManager:
             else:
                 try:
                     stored = self._stored(step)
-                except CorruptCheckpointError as e:  # restore(None) goes to the newest intact one
-                    log.warning("cairn: step %d is damaged and not listed: %s", step, e)
-                    continue
-                when = datetime.datetime.fromtimestamp(stored.started_at, tz=datetime.timezone.utc)
-                metrics = stored.metrics
+                except CorruptCheckpointError as e:  # listed (its number is taken); restore(None)
+                    log.warning("cairn: step %d is damaged: %s", step, e)  # passes over it
+                    when, metrics = datetime.datetime.fromtimestamp(0, datetime.timezone.utc), None
+                else:
+                    when = datetime.datetime.fromtimestamp(stored.started_at, datetime.timezone.utc)
+                    metrics = self._rankable(stored.metrics)
             infos.append(
                 ocp.checkpoint_manager.CheckpointInfo(step=step, time=when, metrics=metrics)
             )
         return infos
+
+    def _rankable(self, metrics: Any) -> Any:
+        """Metrics as the policies see them: None (a step without metrics) where `best_fn`
+        cannot rank them (a run that logged other metrics before `best_fn` was set)."""
+        best_fn = self._options.best_fn
+        if metrics is None or best_fn is None:
+            return metrics
+        try:
+            float(best_fn(metrics))
+        except Exception:
+            return None
+        return metrics
 
     def _log(self, event: str, step: int) -> None:
         if self._logger is not None:
@@ -690,11 +717,11 @@ def _now() -> datetime.datetime:
 
 
 def _step(step: Any) -> int:
-    if isinstance(step, bool) or not hasattr(step, "__index__"):
-        if hasattr(step, "item") and getattr(step, "shape", None) == ():
-            return _step(step.item())
-        raise TypeError(f"step must be an int, got {type(step).__qualname__}")
-    value = int(step.__index__())
+    if getattr(step, "shape", None) == () and hasattr(step, "item"):  # a 0-d NumPy or JAX int
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an integer, got {step!r:.80} ({type(step).__qualname__})")
+    value = int(step)
     if value < 0:
         raise ValueError(f"step must be >= 0, got {value}")
     return value
@@ -747,17 +774,50 @@ def _check_best(best_fn: Any, metrics: Any, step: int) -> None:
         raise ValueError(f"step {step}: best_fn failed on metrics {metrics!r}: {e!r}") from e
 
 
-def _orbax_metadata(path: Any) -> Any:
+def _orbax_metadata(step: int, path: Any) -> Any:
     """The StepMetadata of a step orbax-checkpoint wrote, read by orbax-checkpoint."""
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        return checkpointer.metadata(os.fspath(path))
+    with _orbax_reading(step, path, []), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
+        return c.metadata(os.fspath(path))
 
 
-def _orbax_restore(path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
+def _orbax_restore(step: int, path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
     """A step orbax-checkpoint wrote, restored by orbax-checkpoint."""
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with (
+        _orbax_reading(step, path, list(wanted)),
+        ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
+    ):
         restored = checkpointer.restore(os.fspath(path), A.composite(wanted))
     return dict(restored.items())
+
+
+# How TensorStore (under orbax) words a read of files that are missing or damaged.
+_TENSORSTORE_DAMAGE = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "Error reading", "Error opening")
+
+
+@contextlib.contextmanager
+def _orbax_reading(step: int, path: Any, items: list[str]) -> Iterator[None]:
+    """Around orbax's reads of a step it wrote: the items' trees hold only directories and
+    regular files (orbax follows links and blocks on FIFOs), orbax's reads end before its
+    event loop closes, and its errors name the step: damage (a missing, undecodable or
+    unreadable file) is CorruptCheckpointError, other ValueErrors MismatchError; a missing
+    item stays orbax's KeyError."""
+    where = f"step {step} (written by orbax-checkpoint, {path})"
+    if not isinstance(path, Path):
+        raise CorruptCheckpointError(f"{where}: orbax reads a step from local disk only")
+    for name in items:
+        if (path / name).exists() or (path / name).is_symlink():
+            check_orbax_tree(path / name, f"{where}, item {name!r}")
+    try:
+        with orbax_reads_finish():
+            yield
+    except (KeyError, CairnError):
+        raise
+    except (OSError, UnicodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: orbax could not read it: {e!r:.500}") from e
+    except ValueError as e:
+        if any(mark in str(e) for mark in _TENSORSTORE_DAMAGE):  # its data is not all there
+            raise CorruptCheckpointError(f"{where}: orbax could not read it: {e!s:.500}") from e
+        raise MismatchError(f"{where}: orbax could not restore it: {e!s:.500}") from e
 
 
 def _asynchronous(options: Any, checkpointers: Any) -> bool:

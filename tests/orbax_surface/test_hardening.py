@@ -1,0 +1,204 @@
+"""What an adversarial review of the Orbax surface found, each kept as a test: damaged steps,
+diverged metrics, a run whose metrics change meaning, crafted records, calls that must not
+change the manager's state. Shared tests run on Orbax too; the others say what Orbax does."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax_surface.surface_util import jax_state, opts, save_all
+from support.treeutil import dir_state
+
+from cairn.handlers.errors import CorruptCheckpointError
+from cairn.manager import CheckpointManager as CairnManager
+
+Composite, StandardSave, StandardRestore = (
+    ocp.args.Composite,
+    ocp.args.StandardSave,
+    ocp.args.StandardRestore,
+)
+
+
+@pytest.fixture
+def dropin() -> type[Any]:
+    from cairn.manager.orbax import CheckpointManager
+
+    return CheckpointManager
+
+
+def state_args(scale: float) -> Any:
+    return Composite(state=StandardSave(jax_state(scale)))
+
+
+def abstract() -> Any:
+    return Composite(state=StandardRestore(jax.eval_shape(lambda: jax_state(0.0))))
+
+
+# ---------------------------------------------------------------------- shared with Orbax
+
+
+def test_restore_args_of_another_structure_than_the_item_is_a_value_error(
+    impl: Any, root: Path
+) -> None:
+    """A misspelled key or a prefix tree in restore_args would drop the sharding asked for."""
+    tree = {"a": {"x": np.arange(4.0)}, "b": np.ones(2)}
+    with impl(root) as manager:
+        manager.save(0, args=ocp.args.PyTreeSave(tree))
+        manager.wait_until_finished()
+        item = jax.tree_util.tree_map(lambda _: object(), tree)
+        for restore_args in (
+            {"a": {"X": ocp.RestoreArgs()}, "b": ocp.RestoreArgs()},  # misspelled
+            {"a": ocp.RestoreArgs(), "b": ocp.RestoreArgs()},  # a prefix of the item
+        ):
+            with pytest.raises(ValueError):
+                manager.restore(0, args=ocp.args.PyTreeRestore(item, restore_args=restore_args))
+
+
+def test_a_python_scalar_in_the_target_comes_back_as_one(impl: Any, root: Path) -> None:
+    with impl(root) as manager:
+        manager.save(0, args=StandardSave({"n": 7, "w": np.arange(3.0)}))
+        manager.wait_until_finished()
+        got = manager.restore(0, args=StandardRestore({"n": 0, "w": np.zeros(3)}))
+    assert got["n"] == 7 and type(got["n"]) is int
+    assert isinstance(got["w"], np.ndarray)
+
+
+# ---------------------------------------------------------------------- cairn only
+
+
+def test_a_damaged_newest_step_is_passed_over_and_its_number_never_fails_a_save(
+    dropin: Any, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its manifest gone (a half-copied step): listed, as Orbax lists any step directory, so
+    should_save(its number) is False and a resumed loop's save there returns False instead of
+    raising; restore(None) passes over it to the step before, with a warning."""
+    with dropin(root) as manager:
+        save_all(manager, [0, 1, 2])
+    os.remove(root / "2" / "_CHECKPOINT.json")
+    with caplog.at_level(logging.WARNING, logger="cairn"), dropin(root) as manager:
+        assert manager.all_steps() == [0, 1, 2]
+        assert float(manager.restore(None).state["w"][0, 1]) == 1.0  # step 1's
+        assert manager.save(2, args=state_args(2.0)) is False
+        assert manager.save(3, args=state_args(3.0)) is True
+    assert "step 2 is damaged" in caplog.text
+    with dropin(root) as manager:  # a restart after it
+        assert manager.all_steps() == [0, 1, 2, 3]
+        assert manager.save(2, args=state_args(2.0), force=False) is False
+    with dropin(root) as manager, pytest.raises(CorruptCheckpointError, match="step 2"):
+        manager.restore(2)
+
+
+@pytest.mark.parametrize("damage", ["truncate _METADATA", "flip its data"])
+def test_a_damaged_newest_orbax_step_is_passed_over(dropin: Any, root: Path, damage: str) -> None:
+    """Orbax's own manager raises orbax's error for its damaged latest step; the swap's
+    restore(None) restores the step before (orbax restores it), and restore(2) names step 2."""
+    options = opts(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(root, options=options, item_names=("state",)) as manager:
+        save_all(manager, [1, 2])
+    if damage == "truncate _METADATA":
+        path = root / "2" / "state" / "_METADATA"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        for name in glob.glob(str(root / "2" / "state" / "**" / "d" / "*"), recursive=True):
+            data = bytearray(Path(name).read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            Path(name).write_bytes(bytes(data))
+    with dropin(root, options=options, item_names=("state",)) as manager:
+        got = manager.restore(None, args=abstract())
+        assert float(got.state["w"][0, 1]) == 1.0
+        with pytest.raises(CorruptCheckpointError, match="step 2"):
+            manager.restore(2, args=abstract())
+
+
+def test_nan_and_infinite_metrics_are_saved_and_come_back(dropin: Any, root: Path) -> None:
+    """A diverged loss must not fail the save. Orbax saves it too (with best_fn)."""
+    options = opts(best_fn=lambda m: m["loss"], best_mode="min")
+    with dropin(root, options=options) as manager:
+        manager.save(0, args=state_args(0.0), metrics={"loss": 1.0})
+        manager.save(
+            1, args=state_args(1.0), metrics={"loss": float("nan")}, custom_metadata={"x": np.inf}
+        )
+        manager.save(2, args=state_args(2.0), metrics={"loss": np.float32("-inf")})
+    with dropin(root, options=options) as manager:
+        assert math.isnan(manager.metrics(1)["loss"]) and manager.metrics(2)["loss"] == -math.inf
+        assert manager.metadata(1).custom_metadata == {"x": math.inf}
+        assert manager.best_step() in (0, 2)
+
+
+def test_metrics_of_a_run_without_best_fn_do_not_fail_a_run_with_one(
+    dropin: Any, root: Path
+) -> None:
+    """Orbax stores no metrics without best_fn, so this cannot happen there; here the first
+    run's metrics are kept, and best_fn cannot rank them: those steps count as without metrics."""
+    with dropin(root) as manager:
+        save_all(manager, [0, 1], metrics={"acc": 0.5})
+    options = opts(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    with dropin(root, options=options) as manager:
+        assert manager.best_step() is None
+        manager.save(2, args=state_args(2.0), metrics={"loss": 0.3})
+        manager.save(3, args=state_args(3.0), metrics={"loss": 0.1})
+        manager.wait_until_finished()
+        assert manager.best_step() == 3
+        assert manager.metrics(0) == {"acc": 0.5}
+
+
+def test_a_no_args_restore_of_a_cairn_step_does_not_pin_the_item_kind(
+    dropin: Any, root: Path
+) -> None:
+    """A step cairn's own manager wrote restores without args, and StandardSave still works."""
+    with CairnManager(root, step_prefix="") as manager:
+        manager.save(0, {"state": jax_state(0.0)})
+    with dropin(root) as manager:
+        assert list(manager.restore(None).keys()) == ["state"]
+        assert manager.save(1, args=state_args(1.0)) is True
+        assert manager.restore(None, args=ocp.args.Composite(state=None)).state is not None
+
+
+def test_a_users_metadata_cannot_make_a_cairn_step_look_like_orbaxs(
+    dropin: Any, root: Path
+) -> None:
+    with CairnManager(root, step_prefix="") as manager:
+        manager.save(0, {"state": jax_state(5.0)}, metadata={"format": "orbax"})
+    with dropin(root) as manager:
+        assert float(manager.restore(0).state["w"][0, 1]) == 5.0
+        assert float(manager.restore(None, args=abstract()).state["w"][0, 1]) == 5.0
+
+
+def test_a_crafted_record_cannot_switch_the_manager_to_default_item_mode(
+    dropin: Any, root: Path
+) -> None:
+    record = {"default_item": True, "items": {"state": "standard"}, "time": "soon"}
+    with CairnManager(root, step_prefix="") as manager:
+        manager.save(0, {"state": jax_state(1.0)}, metadata={"orbax": record})
+    with dropin(root) as manager:
+        assert float(manager.restore(None).state["w"][0, 1]) == 1.0
+        assert manager.save(1, args=state_args(2.0)) is True
+
+
+def test_a_refused_save_changes_nothing_not_even_the_items_kind(dropin: Any, root: Path) -> None:
+    """Orbax binds the item to StandardSave's handler before it fails on the metrics, so the
+    retry with PyTreeSave is refused there."""
+    with dropin(root) as manager:
+        save_all(manager, [0])
+    with dropin(root) as manager:  # a new manager: the item's kind is not fixed yet
+        before = dir_state(root)
+        loop: dict[str, Any] = {}
+        loop["self"] = loop
+        for metrics, custom in ((object(), None), (loop, None), (None, [1, 2]), (None, loop)):
+            with pytest.raises(TypeError):
+                manager.save(
+                    1, args=state_args(1.0), metrics=metrics, custom_metadata=custom, force=True
+                )
+        assert dir_state(root) == before and manager.all_steps() == [0]
+        tree = {"w": jnp.ones(3)}
+        assert manager.save(1, args=Composite(state=ocp.args.PyTreeSave(tree))) is True
