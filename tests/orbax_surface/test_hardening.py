@@ -73,6 +73,34 @@ def test_a_python_scalar_in_the_target_comes_back_as_one(impl: Any, root: Path) 
     assert isinstance(got["w"], np.ndarray)
 
 
+def test_partial_restore_takes_restore_args_of_the_whole_tree(impl: Any, root: Path) -> None:
+    """restore_args may cover more than the item asks for (the full tree): only the item's
+    leaves come back."""
+    tree = {"a": np.arange(3.0), "b": np.ones(2), "c": {"d": np.zeros(1), "e": np.ones(1)}}
+    with impl(root) as manager:
+        manager.save(0, args=ocp.args.PyTreeSave(tree))
+        manager.wait_until_finished()
+        restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(), tree)
+        item = {"a": object(), "c": {"d": object()}}
+        got = manager.restore(
+            0,
+            args=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True),
+        )
+    assert set(got) == {"a", "c"} and set(got["c"]) == {"d"}
+    np.testing.assert_array_equal(got["a"], tree["a"])
+
+
+def test_a_default_items_metadata_is_there_once_a_new_manager_restored_it(
+    impl: Any, root: Path
+) -> None:
+    with impl(root) as manager:
+        manager.save(0, args=StandardSave({"w": np.arange(3.0)}))
+    with impl(root) as fresh:
+        assert fresh.metadata(0).item_metadata is None  # Orbax: no handler for it yet
+        fresh.restore(0)
+        assert fresh.metadata(0).item_metadata is not None
+
+
 # ---------------------------------------------------------------------- cairn only
 
 

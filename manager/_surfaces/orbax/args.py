@@ -267,11 +267,11 @@ def tree_plan(args: Any, skeleton: Any) -> Plan:
     if item is not None and restore_args is not None:
         flat, _ = _leaves(restore_args, _user_leaf)
         per_leaf = dict(flat)
-        if set(per_leaf) != {k for k, _ in user}:  # Orbax: a pytree structure error
-            odd = sorted(set(per_leaf) ^ {k for k, _ in user})[:5]
+        lacking = sorted(k for k, leaf in user if leaf is not ocp.PLACEHOLDER and k not in per_leaf)
+        if lacking:  # a misspelled key, a prefix tree: Orbax's pytree structure error
             raise ValueError(
-                "restore_args does not have the structure of the item: key paths in one and "
-                f"not the other: {['/'.join(k) or '<root>' for k in odd]}"
+                "restore_args does not have the structure of the item: no RestoreArgs at "
+                f"{['/'.join(k) or '<root>' for k in lacking[:5]]}"
             )
     stored, _ = _leaves(skeleton, lambda x: x is None)
     have = {k for k, _ in stored}

@@ -524,7 +524,7 @@ class CheckpointManager:
             for n in stored.items
         }
         if self._default_item.get() or (self._default_item.get() is None and stored.default_item):
-            known = DEFAULT_ITEM_NAME in self._kinds  # Orbax: None until the item is used
+            known = DEFAULT_ITEM_NAME in {**self._kinds, **self._restored}  # Orbax: None until used
             item_metadata = by_item.get(DEFAULT_ITEM_NAME) if known else None
         else:
             item_metadata = A.composite(by_item)
