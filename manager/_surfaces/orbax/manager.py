@@ -13,28 +13,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from cairn.handlers import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPyTreeHandler
+from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import (
-    CairnError,
     CorruptCheckpointError,
-    MismatchError,
     StepNotFoundError,
 )
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
-from cairn.handlers.io import check_orbax_tree, orbax_reads_finish, parse_json, read_no_follow
 from cairn.manager._core.manager import CheckpointManager as _Manager
 from cairn.manager._surfaces.orbax import args as A
+from cairn.manager._surfaces.orbax import foreign, modes
+from cairn.manager._surfaces.orbax.modes import DEFAULT_ITEM_NAME
 from cairn.manager._surfaces.orbax.policies import Doomed, check_options, decisions, preservation
 from cairn.manager.errors import CommitError
 
@@ -43,30 +40,13 @@ log = logging.getLogger("cairn")
 
 __all__ = ["CheckpointManager", "StepAlreadyExistsError"]
 
-DEFAULT_ITEM_NAME = "default"
 _KINDS = ("standard", "pytree", "json", "array", "grain")
-_ORBAX_HANDLERS = (OrbaxPyTreeHandler.id, OrbaxJsonHandler.id, OrbaxDatasetHandler.id)
 _RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
 _SLOW_WAIT_S = 1.0
 
 
 class StepAlreadyExistsError(_CairnStepExists, ocp.checkpoint_manager.StepAlreadyExistsError):  # type: ignore[name-defined]
     """A forced save of a step that exists: both cairn's and Orbax's error."""
-
-
-class _DefaultItem:
-    """Whether this manager saves one unnamed item (Orbax's "default item" mode): fixed by the
-    first save or restore, or by the constructor's arguments, then never changed."""
-
-    def __init__(self, value: bool | None = None) -> None:
-        self._value = value
-
-    def get(self) -> bool | None:
-        return self._value
-
-    def set_if_none(self, value: bool) -> None:
-        if self._value is None:
-            self._value = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +100,7 @@ class CheckpointManager:
             )
         check_options(options)
         self._options = options  # read, never changed
-        self._default_item, self._fixed, self._kinds = _item_modes(
+        self._default_item, self._fixed, self._kinds = modes.item_modes(
             item_names, item_handlers, handler_registry, checkpointers
         )
         self._save_policy = decisions(options)
@@ -130,9 +110,9 @@ class CheckpointManager:
         self._logger = logger
         self._wait_lock = threading.Lock()
         self._read_only = bool(options.read_only)
-        prefix, digits = _naming(options)
-        where = _directory(directory, create=options.create, read_only=self._read_only)
-        self._orbax_root = _orbax_root_metadata(where)  # an Orbax run's: it was first
+        prefix, digits = modes.naming(options)
+        where = modes.directory(directory, create=options.create, read_only=self._read_only)
+        self._orbax_root = foreign.root_metadata(where)  # an Orbax run's: it was first
         if self._orbax_root is not None:
             metadata = None
         primary = options.multiprocessing_options.primary_host
@@ -141,11 +121,11 @@ class CheckpointManager:
             keep=self._doomed,
             step_prefix=prefix,
             step_digits=digits,
-            async_save=_asynchronous(options, checkpointers),
+            async_save=modes.asynchronous(options, checkpointers),
             read_only=self._read_only,
             metadata=metadata if options.save_root_metadata else None,
             primary_process=0 if primary is None else primary,
-            barrier_timeout=_barrier_timeout(options),
+            barrier_timeout=modes.barrier_timeout(options),
         )
         self._checkpoints = self._infos(light=bool(options.lightweight_initialize))
 
@@ -434,14 +414,14 @@ class CheckpointManager:
                 )
         if stored.foreign:
             if wanted is None:  # every item of the user's, by the handler Orbax recorded for it
-                handlers = _orbax_metadata(step, stored.path).item_handlers
+                handlers = foreign.step_metadata(step, stored.path).item_handlers
                 handlers = handlers if isinstance(handlers, Mapping) else {}
                 wanted = {
                     n: args
                     for n, typestr in handlers.items()
                     if n != "metrics" and (args := A.restore_args_for(typestr)) is not None
                 }
-            return _orbax_restore(step, stored.path, wanted)
+            return foreign.restore(step, stored.path, wanted)
         names = list(stored.items) if wanted is None else list(wanted)
         kinds: dict[str, str | None] = {}
         for name in names:
@@ -488,7 +468,7 @@ class CheckpointManager:
             best_fn=None,
         )
         with CheckpointManager(directory, options=options) as other:
-            other._default_item = _DefaultItem(self._default_item.get())
+            other._default_item = modes.DefaultItem(self._default_item.get())
             other._kinds = dict(self._kinds)
             if step is None:
                 step = max(other._inner.all_steps(), default=None)
@@ -515,7 +495,7 @@ class CheckpointManager:
         step = _step(step)
         stored = self._stored(step)
         if stored.foreign:
-            return _orbax_metadata(step, stored.path)
+            return foreign.step_metadata(step, stored.path)
         described = self._inner.describe(step)
         trees = [n for n, k in stored.items.items() if k in A.TREES]
         skeletons = self._inner.restore(step, {n: A.NEVER for n in trees}) if trees else {}
@@ -635,10 +615,10 @@ class CheckpointManager:
         except StepNotFoundError:
             raise FileNotFoundError(f"Checkpoint at {self.directory}/{step} not found.") from None
         record = info.metadata.get(_RECORD)
-        foreign = info.metadata.get("format") == "orbax" and all(
-            i.handler in _ORBAX_HANDLERS for i in info.items.values()
+        by_orbax = info.metadata.get("format") == "orbax" and all(
+            i.handler in foreign.HANDLERS for i in info.items.values()
         )  # as cairn's reader of Orbax's layout describes a step; a user's metadata cannot
-        if isinstance(record, Mapping) and not foreign:  # this surface's; untrusted all the same
+        if isinstance(record, Mapping) and not by_orbax:  # this surface's; untrusted all the same
             kinds = record.get("items")
             kinds = kinds if isinstance(kinds, Mapping) else {}
             when = record.get("time")
@@ -661,11 +641,11 @@ class CheckpointManager:
             items={n: _cairn_kind(info.items[n].handler) for n in names},
             default_item=names == [DEFAULT_ITEM_NAME],
             metrics=dict(info.metrics) or None,
-            custom_metadata=dict(info.metadata.get("custom_metadata") or {}) if foreign else {},
+            custom_metadata=dict(info.metadata.get("custom_metadata") or {}) if by_orbax else {},
             started_at=info.started_at,
             committed_at=info.committed_at,
             path=info.path,
-            foreign=foreign,
+            foreign=by_orbax,
         )
 
     def _infos(self, *, light: bool) -> list[Any]:
@@ -772,167 +752,3 @@ def _check_best(best_fn: Any, metrics: Any, step: int) -> None:
         float(value)
     except Exception as e:
         raise ValueError(f"step {step}: best_fn failed on metrics {metrics!r}: {e!r}") from e
-
-
-def _orbax_metadata(step: int, path: Any) -> Any:
-    """The StepMetadata of a step orbax-checkpoint wrote, read by orbax-checkpoint."""
-    with _orbax_reading(step, path, []), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
-        return c.metadata(os.fspath(path))
-
-
-def _orbax_restore(step: int, path: Any, wanted: Mapping[str, Any]) -> dict[str, Any]:
-    """A step orbax-checkpoint wrote, restored by orbax-checkpoint."""
-    with (
-        _orbax_reading(step, path, list(wanted)),
-        ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer,
-    ):
-        restored = checkpointer.restore(os.fspath(path), A.composite(wanted))
-    return dict(restored.items())
-
-
-# How TensorStore (under orbax) words a read of files that are missing or damaged.
-_TENSORSTORE_DAMAGE = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "Error reading", "Error opening")
-
-
-@contextlib.contextmanager
-def _orbax_reading(step: int, path: Any, items: list[str]) -> Iterator[None]:
-    """Around orbax's reads of a step it wrote: the items' trees hold only directories and
-    regular files (orbax follows links and blocks on FIFOs), orbax's reads end before its
-    event loop closes, and its errors name the step: damage (a missing, undecodable or
-    unreadable file) is CorruptCheckpointError, other ValueErrors MismatchError; a missing
-    item stays orbax's KeyError."""
-    where = f"step {step} (written by orbax-checkpoint, {path})"
-    if not isinstance(path, Path):
-        raise CorruptCheckpointError(f"{where}: orbax reads a step from local disk only")
-    for name in items:
-        if (path / name).exists() or (path / name).is_symlink():
-            check_orbax_tree(path / name, f"{where}, item {name!r}")
-    try:
-        with orbax_reads_finish():
-            yield
-    except (KeyError, CairnError):
-        raise
-    except (OSError, UnicodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: orbax could not read it: {e!r:.500}") from e
-    except ValueError as e:
-        if any(mark in str(e) for mark in _TENSORSTORE_DAMAGE):  # its data is not all there
-            raise CorruptCheckpointError(f"{where}: orbax could not read it: {e!s:.500}") from e
-        raise MismatchError(f"{where}: orbax could not restore it: {e!s:.500}") from e
-
-
-def _asynchronous(options: Any, checkpointers: Any) -> bool:
-    """Orbax's legacy Checkpointers decide it by their class; else the option."""
-    if checkpointers is None:
-        return bool(options.enable_async_checkpointing)
-    given = checkpointers.values() if isinstance(checkpointers, Mapping) else [checkpointers]
-    return any(isinstance(c, ocp.AsyncCheckpointer) for c in given)
-
-
-def _item_modes(
-    item_names: Sequence[str] | None, item_handlers: Any, registry: Any, checkpointers: Any
-) -> tuple[_DefaultItem, set[str] | None, dict[str, str]]:
-    """Orbax's constructor modes: the default-item flag, the names allowed (None: any), and
-    the items whose kind a handler fixes (legacy `checkpointers`: their handlers')."""
-    if checkpointers is not None:
-        if item_names is not None or item_handlers is not None or registry is not None:
-            raise ValueError(
-                "`checkpointers` should not be provided together with `item_names`, "
-                "`item_handlers` or `handler_registry`."
-            )
-        if isinstance(checkpointers, Mapping):
-            item_handlers = {n: getattr(c, "handler", c) for n, c in checkpointers.items()}
-        else:
-            item_handlers = getattr(checkpointers, "handler", checkpointers)
-    single = isinstance(item_handlers, ocp.CheckpointHandler)
-    if item_names is not None and single:
-        raise ValueError(
-            "`item_handlers` in default item mode and `item_names` should not be provided together."
-        )
-    if registry is not None and (item_names is not None or item_handlers is not None):
-        raise ValueError(
-            "`handler_registry` should not be provided together with `item_names` or "
-            "`item_handlers`."
-        )
-    kinds: dict[str, str] = {}
-
-    def kind(name: str, handler: Any) -> str:
-        k = A.kind_of_handler(handler)
-        if k is None:
-            raise ValueError(
-                f"item {name!r}: handler {type(handler).__qualname__} has no counterpart in "
-                "cairn (Standard, PyTree, Json, Array and grain's handlers do)"
-            )
-        return k
-
-    if single:
-        kinds[DEFAULT_ITEM_NAME] = kind(DEFAULT_ITEM_NAME, item_handlers)
-        return _DefaultItem(True), {DEFAULT_ITEM_NAME}, kinds
-    if registry is not None:
-        for (name, _args_type), handler in registry.get_all_entries().items():
-            if name is not None:
-                kinds[name] = kind(name, handler)
-        return _DefaultItem(None), None, kinds
-    if item_handlers is not None:
-        if not isinstance(item_handlers, Mapping):
-            raise TypeError(f"item_handlers must be a handler or a mapping, got {item_handlers!r}")
-        for name, handler in item_handlers.items():
-            kinds[name] = kind(name, handler)
-    if item_names is None and item_handlers is None:
-        return _DefaultItem(None), None, kinds
-    if isinstance(item_names, (str, bytes)) or not isinstance(item_names or (), Iterable):
-        raise TypeError(f"item_names must be a sequence of names, got {item_names!r}")
-    names = set(item_names or ()) | set(kinds)
-    return _DefaultItem(False), names, kinds
-
-
-_ORBAX_ROOT_METADATA = ("metadata/_ROOT_METADATA", "metadata/metadata")  # new, legacy
-
-
-def _orbax_root_metadata(where: str) -> dict[str, Any] | None:
-    """The root metadata an Orbax run wrote into a local directory (its ``custom_metadata``),
-    or None; an unreadable file is logged and ignored."""
-    for relpath in _ORBAX_ROOT_METADATA:
-        path = os.path.join(where, relpath)
-        if "://" in where or not os.path.isfile(path):
-            continue
-        try:
-            data = parse_json(read_no_follow(Path(path)), path)
-        except (OSError, CairnError) as e:
-            log.warning("cairn: ignoring Orbax's root metadata %s: %s", path, e)
-            return None
-        if relpath.endswith("_ROOT_METADATA") and isinstance(data, dict):
-            data = data.get("custom_metadata")
-        if isinstance(data, dict):
-            return data
-        log.warning("cairn: ignoring Orbax's root metadata %s: not a JSON object", path)
-        return None
-    return None
-
-
-def _naming(options: Any) -> tuple[str, int | None]:
-    """cairn's step_prefix and step_digits for Orbax's naming options."""
-    fmt = options.step_name_format
-    prefix, digits = options.step_prefix, options.step_format_fixed_length
-    if fmt is not None:
-        if not (hasattr(fmt, "step_prefix") and hasattr(fmt, "step_format_fixed_length")):
-            raise ValueError(
-                f"step_name_format={fmt!r}: only orbax's standard_name_format(step_prefix, "
-                "step_format_fixed_length) has a counterpart in cairn"
-            )
-        prefix, digits = fmt.step_prefix, fmt.step_format_fixed_length
-    return prefix or "", digits
-
-
-def _directory(directory: Any, *, create: bool, read_only: bool) -> str:
-    where = os.fspath(directory) if isinstance(directory, os.PathLike) else str(directory)
-    if not create and not read_only and "://" not in where and not os.path.isdir(where):
-        raise FileNotFoundError(
-            f"{where} does not exist and options.create is False: create it, or pass create=True"
-        )
-    return where
-
-
-def _barrier_timeout(options: Any) -> float:
-    async_options = options.async_options
-    timeout = getattr(async_options, "timeout_secs", None) if async_options else None
-    return float(timeout) if timeout else 300.0
