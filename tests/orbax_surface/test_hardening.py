@@ -230,3 +230,53 @@ def test_a_refused_save_changes_nothing_not_even_the_items_kind(dropin: Any, roo
         assert dir_state(root) == before and manager.all_steps() == [0]
         tree = {"w": jnp.ones(3)}
         assert manager.save(1, args=Composite(state=ocp.args.PyTreeSave(tree))) is True
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("todelete_full_path", "gs://bucket/trash"),
+        ("enable_per_process_directory_creation", True),
+        ("async_options", ocp.options.AsyncOptions(post_finalization_callback=lambda: None)),
+        ("async_options", ocp.options.AsyncOptions(barrier_sync_fn=lambda **_: None)),
+        ("multiprocessing_options", ocp.options.MultiprocessingOptions(active_processes={0})),
+        ("file_options", ocp.options.FileOptions(path_permission_mode=0o700)),
+        ("save_interval_steps", -1),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "x",
+)
+def test_options_with_no_counterpart_are_refused_before_anything_is_written(
+    dropin: Any, root: Path, field: str, value: Any
+) -> None:
+    """Each would change what Orbax does; dropped unseen, a user would rely on it."""
+    kwargs = {field: value}
+    if field == "enable_per_process_directory_creation":
+        kwargs["multiprocessing_options"] = ocp.options.MultiprocessingOptions(primary_host=None)
+    options = opts(**kwargs)
+    with pytest.raises(ValueError, match=field):
+        dropin(root, options=options)
+    assert not root.exists()
+
+
+def test_todelete_subdir_is_accepted_with_a_warning(
+    dropin: Any, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = opts(max_to_keep=1, todelete_subdir="trash")
+    with caplog.at_level(logging.WARNING, logger="cairn"), dropin(root, options=options) as manager:
+        save_all(manager, [0, 1])
+    assert "todelete_subdir='trash'" in caplog.text
+    assert not (root / "trash").exists() and manager.all_steps() == [1]
+
+
+def test_handlers_and_name_formats_without_a_counterpart_are_refused(
+    dropin: Any, root: Path
+) -> None:
+    class NameFormat:  # any object with Orbax's NameFormat methods
+        def build_name(self, step: int) -> str:
+            return f"s{step}"
+
+    with pytest.raises(ValueError, match="step_name_format"):
+        dropin(root, options=opts(step_name_format=NameFormat()))
+    with pytest.raises(ValueError, match="item 'x': handler ProtoCheckpointHandler"):
+        dropin(root, item_handlers={"x": ocp.ProtoCheckpointHandler("f")})
+    assert not root.exists()

@@ -43,6 +43,11 @@ def check_options(options: Any) -> None:
             raise ValueError(
                 f"options.async_options.{name} is not supported by cairn.manager.orbax"
             )
+    if getattr(options.file_options, "path_permission_mode", None) is not None:
+        raise ValueError(
+            "options.file_options.path_permission_mode is not supported by cairn.manager.orbax: "
+            "cairn creates directories and files with the process's umask"
+        )
     if options.multiprocessing_options.active_processes is not None:
         raise ValueError(
             "options.multiprocessing_options.active_processes is not supported by "
