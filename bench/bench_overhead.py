@@ -32,8 +32,10 @@ Systems: ``cairn`` (the staging pool, the default), ``cairn-views`` (``zero_copy
 the cairn under test has it) and ``orbax`` (orbax-checkpoint's async CheckpointManager); on
 request (``--systems``) ``cairn-incremental``, ``cairn-packed`` and ``cairn-zarr``
 (``TrainStateHandler(layout=...)``; ``cairn`` is the default layout of the cairn under test:
-zarr before commit 3dd0082, packed since) and ``cairn-process`` (``writer="process"``, whose writer's CPU is not among
-cairn's threads: it shows in the training time lost). Run it
+zarr before commit 3dd0082, packed since), ``cairn-process`` (``writer="process"``, whose writer's CPU is not among
+cairn's threads: it shows in the training time lost) and ``cairn-orbax`` (Orbax's own calls,
+``ocp.args.StandardSave`` in a ``Composite``, on ``cairn.manager.orbax.CheckpointManager``: the
+one-line swap). Run it
 on another cairn with ``PYTHONPATH`` pointing at a tree whose ``cairn/manager`` and
 ``cairn/handlers`` are that version's folders, and ``--label`` to name it (the "before" figures
 in docs/benchmarks.md). Results: bench/results/overhead[-LABEL].json, rich tables, and with
@@ -96,7 +98,8 @@ SYSTEMS = (
     "cairn-process",
     "cairn-packed",
     "cairn-zarr",
-)  # last four on request
+    "cairn-orbax",
+)  # last five on request
 DEFAULT_SYSTEMS = "cairn,cairn-views,orbax"
 FLOOR_WRITER = "plain-writer"  # in the training windows only: see PlainWriter
 STEPS = ("decoder", "elementwise")
@@ -266,8 +269,8 @@ def has_zero_copy() -> bool:
 
 
 def make_runner(name: str, directory: Path, abstract: Any) -> Any:
-    if name == "orbax":
-        runner: Any = bts.OrbaxRunner(directory, abstract)
+    if name in ("orbax", "cairn-orbax"):  # Orbax's calls, on Orbax or on the one-line swap
+        runner: Any = bts.OrbaxRunner(directory, abstract, swap=name == "cairn-orbax")
     else:
         runner = Cairn(directory, abstract, name=name)
     runner.root = directory

@@ -300,15 +300,25 @@ class CairnRunner:
 
 
 class OrbaxRunner:
+    """Orbax's calls (StandardSave in a Composite, max_to_keep=1, async), on orbax-checkpoint's
+    CheckpointManager or, with ``swap=True``, on cairn.manager.orbax's (the one-line swap)."""
+
     name = "orbax"
 
-    def __init__(self, directory: Path, abstract: Any) -> None:
+    def __init__(self, directory: Path, abstract: Any, *, swap: bool = False) -> None:
         import orbax.checkpoint as ocp
 
         self.ocp = ocp
         self.abstract = abstract
+        self.swap = swap
         options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
-        self.mgr = ocp.CheckpointManager(directory, options=options)
+        if swap:
+            from cairn.manager.orbax import CheckpointManager
+
+            self.name = "cairn-orbax"
+            self.mgr = CheckpointManager(directory, options=options)
+        else:
+            self.mgr = ocp.CheckpointManager(directory, options=options)
 
     def save(self, step: int, tree: Any) -> None:
         args = self.ocp.args
@@ -325,7 +335,10 @@ class OrbaxRunner:
         return restored["state"]
 
     def wait_reclaimed(self) -> None:
-        """Orbax deletes the old step before wait_until_finished returns."""
+        """Orbax deletes the old step before wait_until_finished returns; cairn's reclaim
+        thread frees a retired step's space after it."""
+        if self.swap:
+            CairnRunner.wait_reclaimed(self)  # type: ignore[arg-type]
 
     def telemetry(self, step: int) -> dict[str, float]:
         return {}

@@ -409,6 +409,7 @@ def plot_overhead(after_json: Path, before_json: Path, png_path: Path) -> None:
                 ("cairn-process", "cairn writer=process"),
                 ("cairn-packed", "cairn packed"),
                 ("cairn-zarr", "cairn zarr"),
+                ("cairn-orbax", "Orbax calls on\ncairn.manager.orbax"),
                 ("orbax", "Orbax"),
             ):
                 win = after["sizes"][label]["windows"][kind].get(name)
