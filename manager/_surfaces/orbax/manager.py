@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import (
     CorruptCheckpointError,
     StepNotFoundError,
@@ -30,7 +29,7 @@ from cairn.handlers.errors import (
 from cairn.handlers.errors import StepAlreadyExistsError as _CairnStepExists
 from cairn.manager._core.manager import CheckpointManager as _Manager
 from cairn.manager._surfaces.orbax import args as A
-from cairn.manager._surfaces.orbax import foreign, modes
+from cairn.manager._surfaces.orbax import foreign, modes, records
 from cairn.manager._surfaces.orbax.modes import DEFAULT_ITEM_NAME
 from cairn.manager._surfaces.orbax.policies import Doomed, check_options, decisions, preservation
 from cairn.manager.errors import CommitError
@@ -40,30 +39,11 @@ log = logging.getLogger("cairn")
 
 __all__ = ["CheckpointManager", "StepAlreadyExistsError"]
 
-_KINDS = ("standard", "pytree", "json", "array", "grain")
-_RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
 _SLOW_WAIT_S = 1.0
 
 
 class StepAlreadyExistsError(_CairnStepExists, ocp.checkpoint_manager.StepAlreadyExistsError):  # type: ignore[name-defined]
     """A forced save of a step that exists: both cairn's and Orbax's error."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    """What a step holds, for restore and metadata: each item's kind (None: not known), whether
-    it is a default-item step, its Orbax metrics and custom metadata, and whether Orbax wrote
-    it (then Orbax reads it)."""
-
-    items: Mapping[str, str | None]
-    default_item: bool
-    metrics: Any
-    custom_metadata: Mapping[str, Any]
-    started_at: float
-    committed_at: float
-    path: Any
-    foreign: bool
-    shardings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 class CheckpointManager:
@@ -281,7 +261,7 @@ class CheckpointManager:
                 step,
                 values,
                 metrics=_numbers(recorded),
-                metadata={_RECORD: record},
+                metadata={records.RECORD: record},
                 force=True,
             )
         except _CairnStepExists as e:
@@ -404,7 +384,9 @@ class CheckpointManager:
         self._log("restore", step)
         return restored[DEFAULT_ITEM_NAME] if default else A.composite(restored)
 
-    def _read(self, step: int, stored: _Stored, wanted: dict[str, Any] | None) -> dict[str, Any]:
+    def _read(
+        self, step: int, stored: records.Stored, wanted: dict[str, Any] | None
+    ) -> dict[str, Any]:
         if wanted is not None and not stored.foreign:  # Orbax says which items its steps lack
             missing = [name for name in wanted if name not in stored.items]
             if missing:
@@ -609,44 +591,12 @@ class CheckpointManager:
         if not check_only:
             self._kinds[name] = kind
 
-    def _stored(self, step: int) -> _Stored:
+    def _stored(self, step: int) -> records.Stored:
         try:
             info = self._inner.info(step)  # waits for the step's commit if it is in flight
         except StepNotFoundError:
             raise FileNotFoundError(f"Checkpoint at {self.directory}/{step} not found.") from None
-        record = info.metadata.get(_RECORD)
-        by_orbax = info.metadata.get("format") == "orbax" and all(
-            i.handler in foreign.HANDLERS for i in info.items.values()
-        )  # as cairn's reader of Orbax's layout describes a step; a user's metadata cannot
-        if isinstance(record, Mapping) and not by_orbax:  # this surface's; untrusted all the same
-            kinds = record.get("items")
-            kinds = kinds if isinstance(kinds, Mapping) else {}
-            when = record.get("time")
-            if not (isinstance(when, (int, float)) and 0 <= when < 1e11):  # until the year 5138
-                when = info.started_at
-            custom = A.decode_floats(record.get("custom_metadata"))
-            return _Stored(
-                items={n: k if k in _KINDS else None for n in info.items for k in [kinds.get(n)]},
-                default_item=record.get("default_item") is True and DEFAULT_ITEM_NAME in info.items,
-                metrics=A.decode_floats(record.get("metrics")),
-                custom_metadata=dict(custom) if isinstance(custom, Mapping) else {},
-                started_at=float(when),
-                committed_at=info.committed_at,
-                path=info.path,
-                foreign=False,
-                shardings=_mapping(record.get("shardings")),
-            )
-        names = list(info.items)
-        return _Stored(
-            items={n: _cairn_kind(info.items[n].handler) for n in names},
-            default_item=names == [DEFAULT_ITEM_NAME],
-            metrics=dict(info.metrics) or None,
-            custom_metadata=dict(info.metadata.get("custom_metadata") or {}) if by_orbax else {},
-            started_at=info.started_at,
-            committed_at=info.committed_at,
-            path=info.path,
-            foreign=by_orbax,
-        )
+        return records.read(info)
 
     def _infos(self, *, light: bool) -> list[Any]:
         """Orbax's CheckpointInfo for every step on disk (`light`: no step read, as Orbax's
@@ -714,24 +664,6 @@ def _compatible(name: str, kind: str | None, stored: str | None) -> str | None:
     if kind in A.TREES and stored in A.TREES:
         return kind
     raise ValueError(f'item "{name}" was saved as {stored} and cannot be restored as {kind}')
-
-
-def _cairn_kind(handler_id: str) -> str | None:
-    return {
-        "cairn.train_state": "pytree",
-        "cairn.numpy_tree": "pytree",
-        "cairn.json": "json",
-        "cairn.grain_iterator": "grain",
-        OrbaxPyTreeHandler.id: "pytree",
-        OrbaxJsonHandler.id: "json",
-    }.get(handler_id)
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    """Mappings read from a step's metadata, by name; {} for anything else (never trusted)."""
-    if not isinstance(value, Mapping):
-        return {}
-    return {str(k): v for k, v in value.items() if isinstance(v, Mapping)}
 
 
 def _numbers(metrics: Any) -> dict[str, float] | None:
