@@ -736,3 +736,20 @@ def test_the_plot_extra_is_named() -> None:
     from cairn.handlers._optional import EXTRAS
 
     assert EXTRAS["matplotlib"] == "plot"
+
+
+def test_a_users_metadata_does_not_make_a_cairn_step_an_orbax_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`metadata={"format": "orbax"}` given to save is the user's: the step is still cairn's,
+    verified against its checksums and considered by gc (only Orbax's own steps are exempt)."""
+    with CheckpointManager(tmp_path, step_prefix="") as mgr:
+        mgr.save(0, {"state": {"w": np.arange(4.0)}}, metadata={"format": "orbax"})
+        mgr.save(1, {"state": {"w": np.arange(4.0)}})
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--step-prefix", "", "--json")
+    assert code == 0
+    assert [r.get("format") for r in strict_json(out)] == [None, None]
+    code, out, _ = run_cli(
+        capsys, "gc", str(tmp_path), "--step-prefix", "", "--keep-latest", "1", "--dry-run"
+    )
+    assert code == 0 and "would delete step 0" in out.lower()

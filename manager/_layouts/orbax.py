@@ -10,6 +10,7 @@ import logging
 import math
 from typing import Any
 
+from cairn.handlers import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.handlers.io import ORBAX_COMMIT_SUCCESS as COMMIT_SUCCESS
 from cairn.handlers.io import ORBAX_STEP_METADATA as STEP_METADATA
@@ -128,6 +129,19 @@ def orbax_step(step: int, view: StepView) -> Manifest | None:
         committed_at=seconds("commit_timestamp_nsecs"),
         metrics=metrics,
         metadata={"format": "orbax", "custom_metadata": custom},
+    )
+
+
+ORBAX_ITEMS = (OrbaxPyTreeHandler.id, OrbaxJsonHandler.id, OrbaxDatasetHandler.id)
+
+
+def is_orbax_step(metadata: Any, items: Any) -> bool:
+    """Whether a step's manifest (its ``metadata`` and its items, each with a ``handler``) is
+    one `orbax_step` made for a step orbax-checkpoint wrote: the metadata says so and every
+    item is an Orbax item, so that a user's ``metadata={"format": "orbax"}`` on a cairn step
+    does not make it one."""
+    return metadata.get("format") == "orbax" and all(
+        getattr(i, "handler", None) in ORBAX_ITEMS for i in items.values()
     )
 
 

@@ -30,6 +30,7 @@ from cairn.handlers.errors import CairnError, MissingDependencyError
 from cairn.handlers.io import optional
 from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._format import StepNames, namings
+from cairn.manager._layouts.orbax import is_orbax_step
 
 
 class _UsageError(Exception):
@@ -266,7 +267,7 @@ def _infos(mgr: CheckpointManager, steps: Sequence[int] | None = None) -> dict[i
 
 
 def _is_orbax(info: Any) -> bool:
-    return not isinstance(info, CairnError) and info.metadata.get("format") == "orbax"
+    return not isinstance(info, CairnError) and is_orbax_step(info.metadata, info.items)
 
 
 def _views(infos: dict[int, Any], *, all_readable: bool = False) -> list[Any]:

@@ -13,16 +13,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers import OrbaxDatasetHandler, OrbaxJsonHandler, OrbaxPyTreeHandler
 from cairn.handlers.errors import CairnError, CorruptCheckpointError, MismatchError
 from cairn.handlers.io import check_orbax_tree, orbax_reads_finish, parse_json, read_no_follow
 from cairn.manager._surfaces.orbax import args as A
 
 ocp = A.ocp
 log = logging.getLogger("cairn")
-
-# The handlers cairn's reader of Orbax's layout gives the items of a step Orbax wrote.
-HANDLERS = (OrbaxPyTreeHandler.id, OrbaxJsonHandler.id, OrbaxDatasetHandler.id)
 
 
 def step_metadata(step: int, path: Any) -> Any:

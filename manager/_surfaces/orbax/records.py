@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cairn.handlers import OrbaxJsonHandler, OrbaxPyTreeHandler
+from cairn.manager._layouts.orbax import is_orbax_step
 from cairn.manager._surfaces.orbax import args as A
-from cairn.manager._surfaces.orbax import foreign
 from cairn.manager._surfaces.orbax.modes import DEFAULT_ITEM_NAME
 
 RECORD = "orbax"  # the key of a step's cairn metadata that holds what Orbax keeps per step
@@ -39,9 +39,7 @@ def read(info: Any) -> Stored:
     surface saved with it (read as untrusted: odd types fall back to the manifest's values), or
     for a step cairn's own API or orbax-checkpoint wrote, what the manifest says."""
     record = info.metadata.get(RECORD)
-    by_orbax = info.metadata.get("format") == "orbax" and all(
-        i.handler in foreign.HANDLERS for i in info.items.values()
-    )  # as cairn's reader of Orbax's layout describes a step; a user's metadata cannot
+    by_orbax = is_orbax_step(info.metadata, info.items)  # a user's metadata cannot say so
     if isinstance(record, Mapping) and not by_orbax:  # this surface's; untrusted all the same
         kinds = record.get("items")
         kinds = kinds if isinstance(kinds, Mapping) else {}
