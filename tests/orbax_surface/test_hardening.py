@@ -280,3 +280,49 @@ def test_handlers_and_name_formats_without_a_counterpart_are_refused(
     with pytest.raises(ValueError, match="item 'x': handler ProtoCheckpointHandler"):
         dropin(root, item_handlers={"x": ocp.ProtoCheckpointHandler("f")})
     assert not root.exists()
+
+
+def test_the_logger_gets_an_entry_per_save_and_restore(impl: Any, root: Path) -> None:
+    class Logger:
+        def __init__(self) -> None:
+            self.entries: list[dict[str, Any]] = []
+
+        def log_entry(self, entry: dict[str, Any]) -> None:
+            self.entries.append(dict(entry))
+
+    logger = Logger()
+    with impl(root, logger=logger) as manager:
+        manager.save(3, args=StandardSave({"w": np.arange(3.0)}))
+        manager.wait_until_finished()
+        manager.restore(3)
+    events = [(e.get("event_type"), e.get("step")) for e in logger.entries]
+    assert ("save", 3) in events and ("restore", 3) in events
+
+
+def test_each_step_keeps_the_time_its_retention_used(
+    dropin: Any, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Orbax's keep_time_interval uses the save's start time while running but the commit
+    time after a restart; here the time a save's decision used is the one a restart reads."""
+    import datetime
+
+    from cairn.manager._surfaces.orbax import manager as surface
+
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    monkeypatch.setattr(surface, "_now", lambda: when)
+    options = opts(keep_time_interval=datetime.timedelta(hours=1))
+    with dropin(root, options=options) as manager:
+        manager.save(0, args=state_args(0.0))
+    with dropin(root, options=options) as fresh:
+        assert fresh.metadata(0).init_timestamp_nsecs == int(when.timestamp() * 1e9)
+
+
+def test_an_orbax_step_in_a_bucket_is_refused_not_taken_for_damage() -> None:
+    """restore(None) passes over damage only; a step the swap cannot hand to orbax is an
+    UnsupportedFormatError that names what reads it, not a CorruptCheckpointError."""
+    from cairn.handlers.errors import UnsupportedFormatError
+    from cairn.manager._surfaces.orbax import foreign
+
+    with pytest.raises(UnsupportedFormatError, match=r"cairn\.manager\.CheckpointManager") as e:
+        foreign.restore(3, "s3://bucket/run/3", {})
+    assert not isinstance(e.value, CorruptCheckpointError)

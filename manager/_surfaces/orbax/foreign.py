@@ -13,7 +13,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cairn.handlers.errors import CairnError, CorruptCheckpointError, MismatchError
+from cairn.handlers.errors import (
+    CairnError,
+    CorruptCheckpointError,
+    MismatchError,
+    UnsupportedFormatError,
+)
 from cairn.handlers.io import check_orbax_tree, orbax_reads_finish, parse_json, read_no_follow
 from cairn.manager._surfaces.orbax import args as A
 
@@ -49,8 +54,12 @@ def _reading(step: int, path: Any, items: list[str]) -> Iterator[None]:
     unreadable file) is CorruptCheckpointError, other ValueErrors MismatchError; a missing
     item stays orbax's KeyError."""
     where = f"step {step} (written by orbax-checkpoint, {path})"
-    if not isinstance(path, Path):
-        raise CorruptCheckpointError(f"{where}: orbax reads a step from local disk only")
+    if not isinstance(path, Path):  # not damage: restore(None) must not pass over it
+        raise UnsupportedFormatError(
+            f"{where}: cairn.manager.orbax hands steps Orbax wrote to orbax from local disk "
+            "only; restore this one with cairn.manager.CheckpointManager (step_prefix as "
+            "Orbax named it), which downloads its items"
+        )
     for name in items:
         if (path / name).exists() or (path / name).is_symlink():
             check_orbax_tree(path / name, f"{where}, item {name!r}")
