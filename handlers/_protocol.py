@@ -24,7 +24,7 @@ class Snapshot(Protocol):
     (mutating, overwriting, donating arrays) may change what `write` stores.
 
     Optional, besides the protocol (the manager calls them through `settle_snapshot`,
-    `release_snapshot` and `snapshot_version`, which do without them):
+    `release_snapshot`, `snapshot_version` and `share_snapshot`, which do without them):
 
     - ``settle()``: a snapshot whose copies of the caller's data still run when `snapshot`
       returns (the train state's staging copies) waits for them there. The manager hands the
@@ -35,6 +35,9 @@ class Snapshot(Protocol):
       a writer process is done with it, or when the save never reached one.
     - ``version``: which of its handler's versions the snapshot writes (the train state's
       layout), stored in the manifest instead of the handler's `version`.
+    - ``share(writes)`` (through `share_snapshot`): `write` will be called `writes` times,
+      perhaps at once from two threads (a local tier's part and the persistent step); what
+      it releases after a write waits for the last one.
     """
 
     def write(self, dest: Destination) -> Sequence[FileRecord]:
@@ -107,6 +110,15 @@ def release_snapshot(snapshot: Snapshot) -> None:
     release = getattr(snapshot, "release", None)
     if callable(release):
         release()
+
+
+def share_snapshot(snapshot: Snapshot, writes: int) -> None:
+    """The snapshot's ``share(writes)`` (see `Snapshot`), where it has one: `writes` writes of
+    it are coming (a local tier's part and the persistent step). A snapshot without it writes
+    what it captured as often as it is asked."""
+    share = getattr(snapshot, "share", None)
+    if share is not None:
+        share(writes)
 
 
 def snapshot_version(handler: Handler, snapshot: Snapshot) -> int:

@@ -18,7 +18,8 @@ Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`
 `check_orbax_tree`, `orbax_reads_finish`. Optional libraries: `optional` (a missing one raises
 MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
 them (nothing, or the handler's own value, where a snapshot or handler lacks one):
-`settle_snapshot`, `release_snapshot`, `snapshot_version`, `check_item`.
+`settle_snapshot`, `release_snapshot`, `snapshot_version`, `share_snapshot`, `check_item`.
+A local tier's parts (each process's own shards of a step): `as_parts`.
 """
 
 from cairn.handlers._files import (
@@ -27,6 +28,7 @@ from cairn.handlers._files import (
     RangeHashes,
     Ranges,
     WriteBudget,
+    as_parts,
     check_relative,
     fsync_dir,
     fsync_path,
@@ -47,6 +49,7 @@ from cairn.handlers._protocol import (
     check_item,
     release_snapshot,
     settle_snapshot,
+    share_snapshot,
     snapshot_version,
 )
 from cairn.handlers._staging import Slab, StagingPool, staging_for
@@ -62,6 +65,7 @@ __all__ = [
     "Slab",
     "StagingPool",
     "WriteBudget",
+    "as_parts",
     "check_item",
     "check_orbax_tree",
     "check_relative",
@@ -82,6 +86,7 @@ __all__ = [
     "read_no_follow",
     "release_snapshot",
     "settle_snapshot",
+    "share_snapshot",
     "snapshot_version",
     "staging_for",
     "within",

@@ -43,6 +43,28 @@ def writing_as(index: int, count: int) -> Iterator[None]:
         _WRITING_PROCESS.reset(token)
 
 
+_PARTS: contextvars.ContextVar[bool] = contextvars.ContextVar("cairn_parts", default=False)
+
+
+def in_parts() -> bool:
+    """Whether a snapshot or a read is of one process's *part* (a local tier's step): a
+    snapshot then captures every distinct shard this process holds, not only those with
+    ``replica_id == 0`` (it writes the others only into a part, `writing_process` being
+    (0, 1) there); a read of a part checks only the chunks it reads, since the part holds
+    this process's regions of each array and no more."""
+    return _PARTS.get()
+
+
+@contextlib.contextmanager
+def as_parts(on: bool = True) -> Iterator[None]:
+    """Take snapshots, or read steps, as parts (`in_parts`; set by the manager)."""
+    token = _PARTS.set(on)
+    try:
+        yield
+    finally:
+        _PARTS.reset(token)
+
+
 def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
     """Lower the calling thread's CPU and I/O priority (Linux: each thread has its own), and
     give the kernel its Python name, so that ``top -H`` shows which cairn thread uses the CPU.

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers._files import StoredItem
+from cairn.handlers._files import StoredItem, in_parts
 from cairn.handlers._optional import optional
 from cairn.handlers._packs import is_packed, load_index
 from cairn.handlers._staging import current_staging
-from cairn.handlers._train_state.layout import _choose_chunk, _full_index, _MiB
+from cairn.handlers._train_state.layout import _choose_chunk, _chunk_parts, _full_index, _MiB
 from cairn.handlers._train_state.prng import _Keys
 from cairn.handlers._train_state.read import _LeafReader
 from cairn.handlers._train_state.restore import (
@@ -203,7 +203,10 @@ class TrainStateHandler:
                 shape, src_dtype = tuple(x.shape), _storable(np.dtype(x.dtype), path)
                 pieces: list[tuple[tuple[slice, ...], np.ndarray]] = []
                 zero_copy = False
-                for region, data in _own_shards(x, shape, single):
+                secondary: list[tuple[slice, ...]] = []  # held here, replica 0 elsewhere
+                for region, data, first in _own_shards(x, shape, single, in_parts()):
+                    if not first:
+                        secondary.append(region)
                     coming = _start_transfer(data)
                     if coming is not None:  # on an accelerator: copied to the host below
                         transfers.append((pieces, len(pieces), coming, data))
@@ -228,6 +231,8 @@ class TrainStateHandler:
                 kind = "npscalar" if isinstance(x, np.generic) else "numpy"
             src_dtype, dtype, chunk = self._geometry(path, shape, src_dtype, region_shape)
             leaves.append(_Leaf(index, path, shape, dtype, chunk, pieces, sources, shared, owned))
+            if kind == "jax" and secondary:
+                leaves[-1].secondary = _chunk_keys(secondary, chunk)
             if kind == "jax":
                 leaves[-1].ref = weakref.ref(x)
                 regions = tuple(tuple((sl.start, sl.stop) for sl in r) for r, _ in pieces)
@@ -310,7 +315,7 @@ class TrainStateHandler:
                 x = jax.eval_shape(jax.random.key_data, x)  # type: ignore[union-attr]
             if isinstance(x, jax_array):
                 shape = tuple(x.shape)
-                regions = [region for region, _ in _own_shards(x, shape, single)]
+                regions = [region for region, _, _ in _own_shards(x, shape, single, False)]
                 # host arrays are viewed, then copied into the pool; an accelerator's are
                 # copied to the host, which a writer process's pool stages too
                 owned = any(d.platform not in _HOST_PLATFORMS for d in x.devices())
@@ -454,17 +459,41 @@ def _extent(region: tuple[slice, ...]) -> tuple[int, ...]:
     return tuple(sl.stop - sl.start for sl in region)
 
 
-def _own_shards(x: Any, shape: tuple[int, ...], single: Any) -> list[tuple[Any, Any]]:
-    """(global region, data) of each addressable shard of `x` with ``replica_id == 0``; an
-    array on one device is its own shard (asked per leaf per save: ``addressable_shards``
-    builds objects that cost more than the rest of a small leaf's snapshot)."""
+def _own_shards(
+    x: Any, shape: tuple[int, ...], single: Any, every: bool
+) -> list[tuple[Any, Any, bool]]:
+    """(global region, data, whether it is replica 0) of each addressable shard of `x` with
+    ``replica_id == 0``, or with `every` (a local tier's part, `in_parts`), of each distinct
+    addressable shard, the copy with the lowest replica id; an array on one device is its own
+    shard (asked per leaf per save: ``addressable_shards`` builds objects that cost more than
+    the rest of a small leaf's snapshot)."""
     if isinstance(x.sharding, single):
-        return [(tuple(slice(0, n) for n in shape), x)]
+        return [(tuple(slice(0, n) for n in shape), x, True)]
+    if not every:
+        return [
+            (_full_index(shard.index, shape), shard.data, True)
+            for shard in x.addressable_shards
+            if shard.replica_id == 0
+        ]
+    lowest: dict[tuple[tuple[int, int], ...], Any] = {}
+    for shard in x.addressable_shards:
+        key = tuple((sl.start, sl.stop) for sl in _full_index(shard.index, shape))
+        if key not in lowest or shard.replica_id < lowest[key].replica_id:
+            lowest[key] = shard
     return [
-        (_full_index(shard.index, shape), shard.data)
-        for shard in x.addressable_shards
-        if shard.replica_id == 0
+        (_full_index(shard.index, shape), shard.data, shard.replica_id == 0)
+        for shard in lowest.values()
     ]
+
+
+def _chunk_keys(regions: list[tuple[slice, ...]], chunk: tuple[int, ...]) -> frozenset[str]:
+    """The keys of the chunks that cut `regions` (no data is read: a broadcast view)."""
+    empty = np.empty((), np.uint8)
+    return frozenset(
+        key
+        for region in regions
+        for key, _ in _chunk_parts(region, np.broadcast_to(empty, _extent(region)), chunk)
+    )
 
 
 def _start_transfer(data: Any) -> Any:

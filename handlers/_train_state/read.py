@@ -14,7 +14,7 @@ import crc32c
 import numpy as np
 import xxhash
 
-from cairn.handlers._files import StoredItem, parse_json
+from cairn.handlers._files import StoredItem, in_parts, parse_json
 from cairn.handlers._packs import Packed
 from cairn.handlers._packs import read_chunks as read_packed_chunks
 from cairn.handlers._packs import runs as packed_runs
@@ -51,6 +51,7 @@ class _LeafReader:
         self.dtype = dtype_from_name(node["dtype"])
         self.chunk = tuple(node.get("chunk") or ())
         self._checked = False
+        self.part = in_parts()  # one process's part: each chunk is checked as it is read
 
     def describe(self, relpath: str) -> str:
         return f"{self.stored.describe_file(relpath)} (leaf {keystr(self.path)})"
@@ -79,7 +80,7 @@ class _LeafReader:
                 f"{where} does not describe the leaf tree.json records (shape {list(self.shape)}, "
                 f"dtype {dtype_name(self.dtype)}, chunk {list(self.chunk)})"
             )
-        if _size(self.shape):
+        if _size(self.shape) and not self.part:
             grid = [-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True)]
             size = _size(self.chunk) * self.dtype.itemsize + 4
             if _size(grid) > len(self.stored.files):
@@ -103,7 +104,7 @@ class _LeafReader:
         """The packed layout: every chunk of the grid in the index, at its exact size (the index
         entries themselves were checked against the manifest by `load_index`)."""
         assert self.index is not None
-        if _size(self.shape):
+        if _size(self.shape) and not self.part:
             grid = [-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True)]
             size = _size(self.chunk) * self.dtype.itemsize
             if _size(grid) > len(self.index):
@@ -121,6 +122,27 @@ class _LeafReader:
                     )
         self.stored.check_files("packs/")  # present, regular, not links, at those sizes
         self._checked = True
+
+    def check_chunk(self, coords: tuple[int, ...]) -> None:
+        """A part (`in_parts`): the chunk at `coords`, which a read needs, is there at its
+        exact size (`check` looked at every chunk of the grid otherwise)."""
+        vpath = self.vpath(coords)
+        size = _size(self.chunk) * self.dtype.itemsize
+        if self.index is not None:
+            where = self.index.get(vpath)
+            got = None if where is None else where.nbytes
+            what = self.describe_chunk(vpath)
+        else:
+            record = self.stored.files.get(vpath)
+            got, size = (None if record is None else record.size), size + 4
+            what = self.describe(vpath)
+        if got != size:
+            held = "not held" if got is None else f"held with {got} bytes, not {size}"
+            raise CorruptCheckpointError(
+                f"{what} is {held} in this process's part of the step: a part holds the "
+                "regions of its process's devices as saved; restore it into the same "
+                "shardings (or from the persistent tier)"
+            )
 
     def read(self, index: tuple[slice, ...] = (), batch: _Batch | None = None) -> _Read:
         """A future of the data in `index` (whole leaf by default), as np.ndarray; with `batch`,
@@ -188,6 +210,8 @@ class _Read:
             for sl, c in zip(region, reader.chunk, strict=True)
         ]
         for coords in itertools.product(*spans):
+            if reader.part:
+                reader.check_chunk(coords)
             dest, inner = self._place(coords)
             if batch is not None and reader.index is not None and inner is None:
                 batch.add(self, coords, dest)

@@ -37,6 +37,8 @@ class _Leaf:
     ref: Any = None  # a weak reference to the jax array (incremental saves)
     signature: tuple[Any, ...] = ()  # what its files depend on besides its content
     known: Mapping[str, FileRecord] | None = None  # its files as a save wrote them before
+    #: chunk keys of shards another process holds as replica 0 (a local tier's part only)
+    secondary: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         """What the writer process gets (``writer="process"``): the data, staged or pickled with

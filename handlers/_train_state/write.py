@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,6 +85,14 @@ class _StateSnapshot:
         self._staging = staging
         self._previous = previous or {}  # incremental, packed: the last save's chunks
         self._copying = copying
+        self._writes = 1  # writes before the slab goes back (`share`)
+        self._writes_lock = threading.Lock()
+
+    def share(self, writes: int) -> None:
+        """`writes` writes of this snapshot are coming, maybe at once on two threads (a local
+        tier's part and the persistent step, from one copy): the slab goes back after the
+        last of them, not the first. Call before handing it over."""
+        self._writes = writes
 
     @property
     def version(self) -> int:
@@ -116,11 +125,17 @@ class _StateSnapshot:
         """Give the staging slab back to the pool (the writer process has written it), and
         let go of every view of it: a traceback that keeps this snapshot alive (a kept commit
         error) must not keep the shared memory mapped after the manager closed."""
+        self._writes = 1
         self._let_go()
         self._lease, self._leaves = None, []
 
     def _let_go(self) -> None:
-        """Give the slab back to the pool, once no copy writes into it any more."""
+        """Give the slab back to the pool, once no copy writes into it any more and no other
+        write (`share`) reads it."""
+        with self._writes_lock:
+            self._writes -= 1
+            if self._writes > 0:
+                return
         if self._copying is not None:
             self._copying.wait(quiet=True)
         if self._lease is not None:
@@ -283,17 +298,20 @@ class _StateSnapshot:
         (path, slab offset, bytes), the others as (leaf, path, contiguous data)."""
         staged: list[tuple[str, int, int]] = []
         others: list[tuple[_Leaf, str, np.ndarray]] = []
+        together = writing_process()[1] > 1  # a shard held twice: written by its replica 0
         for leaf in self._leaves:
             if leaf.shared and not primary:
                 continue
             base = f"arrays/{leaf.index}"
+            skip = leaf.secondary if together else frozenset()
             if leaf.staged is not None:
-                staged.extend((f"{base}/{key}", at, n) for key, at, n in leaf.staged)
+                staged.extend((f"{base}/{k}", at, n) for k, at, n in leaf.staged if k not in skip)
                 continue
             for region, data in leaf.pieces:
                 others.extend(
                     (leaf, f"{base}/{key}", part)
                     for key, part in _chunks_of(region, data, leaf.chunk)
+                    if key not in skip
                 )
         return staged, others
 
