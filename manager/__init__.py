@@ -20,6 +20,7 @@ from cairn.manager._core.policies import (
     SavePolicy,
     StepView,
 )
+from cairn.manager._core.tiers import LocalTier
 from cairn.manager._format import FORMAT_VERSION
 from cairn.manager.errors import (
     BarrierTimeoutError,
@@ -58,6 +59,7 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "KeepPolicy",
+    "LocalTier",
     "MismatchError",
     "MissingDependencyError",
     "OnPreemption",

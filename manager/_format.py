@@ -27,6 +27,8 @@ METRICS = "metrics.json"
 LOCK = ".cairn.lock"
 ROOT_METADATA = "cairn_metadata.json"  # the directory's own metadata, written once
 TRASH_PREFIX = ".trash-"
+#: the step metadata key of a local tier's part: {process, processes, save, persistent}
+PART = "cairn_part"
 SYNC_PREFIX = ".cairn-sync-"  # how writer processes of a multi-process run meet (_writer)
 _SYNC_RE = re.compile(re.escape(SYNC_PREFIX) + r"[A-Za-z0-9_.\-]+")
 
@@ -373,6 +375,8 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
         raise TypeError(
             f"metadata must be a mapping with str keys, got {type(metadata).__qualname__}"
         )
+    if PART in metadata:
+        raise ValueError(f"metadata key {PART!r} is cairn's own (a local tier's part record)")
     try:
         return dict(json.loads(json.dumps(metadata, allow_nan=False)))
     except (TypeError, ValueError) as e:

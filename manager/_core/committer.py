@@ -147,10 +147,12 @@ class Committer:
                 "cairn: save of step %d waited %.1f ms for a pending commit", step, waited * 1e3
             )
 
-    def abandon(self, snapshots: Mapping[str, tuple[Handler, Any]]) -> None:
-        """A save that stops before its hand-off: its staging memory and its slot go back."""
+    def abandon(self, snapshots: Mapping[str, tuple[Handler, Any]], *, slot: bool = True) -> None:
+        """A save that stops before its hand-off: its staging memory and its slot (if it took
+        one) go back."""
         release(snapshots)
-        self.slots.release()
+        if slot:
+            self.slots.release()
 
     def hand_over(
         self, job: _commit.SaveJob, packed: tuple[bytes, list[int]] | None, owner: object

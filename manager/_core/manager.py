@@ -24,7 +24,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     SupersededError,
 )
-from cairn.handlers.io import StagingPool, staging_for
+from cairn.handlers.io import StagingPool, as_parts, staging_for
 from cairn.manager._core import commit as _commit
 from cairn.manager._core import exit as _exit
 from cairn.manager._core import takeover
@@ -46,6 +46,7 @@ from cairn.manager._core.preemption import PreemptionWatch
 from cairn.manager._core.reading import ItemInfo, Reader, StepInfo, naming_refusal
 from cairn.manager._core.retention import Retention
 from cairn.manager._core.telemetry import Telemetry
+from cairn.manager._core.tiers import Local, LocalTier
 from cairn.manager._core.validate import as_step, check_entry_name, check_items
 from cairn.manager._core.writer import pack_job
 from cairn.manager._format import check_metadata, check_metrics, dump_checked
@@ -113,6 +114,7 @@ class CheckpointManager:
         max_write_bytes_per_s: float | None = None,
         incremental: bool = False,
         writer: Literal["thread", "process"] = "thread",
+        local: LocalTier | None = None,
     ) -> None:
         o = self._options = Options.check(
             directory,
@@ -136,6 +138,7 @@ class CheckpointManager:
             max_write_bytes_per_s=max_write_bytes_per_s,
             incremental=incremental,
             writer=writer,
+            local=local,
         )
         self._names, self._read_only = o.names, o.read_only
         self._staging = StagingPool(
@@ -235,6 +238,13 @@ class CheckpointManager:
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
         )
         self._preemption_asked: int | None = None
+        self._local = None
+        if o.local is not None:
+            try:
+                self._local = Local.open(o.local, self._together, type(self), o)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ properties
 
@@ -254,11 +264,19 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: Any) -> bool:
-        """Whether the save policy wants `step` saved; False for steps at or below the newest."""
-        step = as_step(step)
+        """Whether the save policy (or the local tier's) wants `step` saved; False for steps at
+        or below the newest (of that tier)."""
+        return any(self._wants(as_step(step), force=False))
+
+    def _wants(self, step: int, *, force: bool) -> tuple[bool, bool]:
+        """Whether the persistent tier and the local tier want `step` (`force`: both, where
+        the step is not at or below their newest); every process asks alike."""
+        local = self._local is not None and self._local.wants(step, force=force)
         known = self._catalog.known()
+        if force:
+            return True, local
         if step in known or (known and step <= max(known)):
-            return False
+            return False, local
         preempted = self._preemption is not None and self._preemption.reached(step)
         if preempted:
             self._preemption_asked = step  # reached_preemption(step) may now say stop
@@ -271,11 +289,10 @@ class CheckpointManager:
         )
         policy = self._options.save
         if not uses_time(policy):
-            return checked_should_save(policy, step, context)
+            return checked_should_save(policy, step, context), local
         # Clocks differ between hosts: the primary decides, everyone follows.
-        return self._together.decide(
-            "should_save", lambda: checked_should_save(policy, step, context)
-        )
+        decide = self._together.decide
+        return decide("should_save", lambda: checked_should_save(policy, step, context)), local
 
     def save(
         self,
@@ -313,28 +330,31 @@ class CheckpointManager:
             with _naming_item(name):
                 handlers[name] = self._options.handlers.get(name) or handler_for(obj)
         # Orbax's order: the policy first (False for a step that exists), then the step itself.
-        if not force and not self.should_save(step):
+        persistent, local = self._wants(step, force=force)
+        if not (persistent or local):
             if self._catalog.state(step) is not None:
                 log.info("cairn: step %d exists in %s; not saved again", step, self._where)
             return False
-        state = self._catalog.state(step)
+        state = self._catalog.state(step) if persistent else None
         if state is not None:
             raise StepAlreadyExistsError(f"step {step} is already {state} in {self._where}")
 
-        self._commits.take_slot(step)  # at most max_pending saves in flight
+        if persistent:
+            self._commits.take_slot(step)  # at most max_pending saves in flight
         snapshots: dict[str, tuple[Handler, Any]] = {}
         try:
             self.check_for_errors()  # the commit we waited for may have failed
             for name, obj in items.items():
-                with _naming_item(name), staging_for(self._staging, name):
+                with _naming_item(name), staging_for(self._staging, name), as_parts(local):
                     snapshots[name] = (handlers[name], handlers[name].snapshot(obj))
         except BaseException:
-            self._commits.abandon(snapshots)
+            self._commits.abandon(snapshots, slot=persistent)
             raise
         self._staging.drop_unused(items)  # what a restore prepared for items not saved again
-        self._last_save.started(entered)
+        if persistent:
+            self._last_save.started(entered)
         tmp_name = None
-        if self._together.procs.count > 1:  # every process writes into one temporary directory
+        if persistent and self._together.procs.count > 1:  # one temporary directory for all
             digest = hashlib.md5(self._together.collective("save").encode()).hexdigest()
             tmp_name = f"{self._names.format(step)}.tmp-{digest}"
         job = _commit.SaveJob(
@@ -356,11 +376,19 @@ class CheckpointManager:
                 settle(job, entered)
                 packed = pack_job(job) if in_process else None
             except BaseException:
-                self._commits.abandon(snapshots)
+                self._commits.abandon(snapshots, slot=persistent)
                 raise
+        part = None
+        if local:
+            assert self._local is not None
+            part = self._local.save(job, entered, persistent=persistent)
+            if not persistent:
+                settle(job, entered, handed=True)
+                self._local.settled(part, job)
+                return True
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
-                self._commits.abandon(snapshots)
+                self._commits.abandon(snapshots, slot=persistent)
                 raise SupersededError(f"save: {self._superseded}")
             self._catalog.start(step)
             if self._commits.executor is None:
@@ -368,6 +396,8 @@ class CheckpointManager:
                 return True
             self._commits.hand_over(job, packed, owner=self)
         settle(job, entered, handed=True)  # the commit writes each span as its copy ends
+        if part is not None:
+            Local.settled(part, job)
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
         return True
@@ -395,7 +425,8 @@ class CheckpointManager:
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save is still being written or committed (Orbax's name)."""
-        return self._catalog.any_in_flight()
+        local = self._local is not None and self._local.inner.is_saving_in_progress()
+        return local or self._catalog.any_in_flight()
 
     # ------------------------------------------------------------------ waiting and errors
 
@@ -403,12 +434,17 @@ class CheckpointManager:
         """Block until pending commits and the retention after them are done, and the staging
         memory the next save copies into is ready; raise their error."""
         self._commits.drain()
+        if self._local is not None:
+            self._local.inner._commits.drain()
         self._staging.wait()
         self.check_for_errors()
 
     def check_for_errors(self) -> None:
-        """Raise CommitError (once) if a background commit or retention failed since the last call."""
+        """Raise CommitError (once) if a background commit or retention failed since the last
+        call (of either tier)."""
         self._commits.errors.raise_kept()
+        if self._local is not None:
+            self._local.inner.check_for_errors()
 
     def close(self) -> None:
         """Wait for pending commits, release the directory; raise a pending commit error if any."""
@@ -418,6 +454,8 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._commits.closed = True
+            if self._local is not None:
+                self._local.inner.close()
             if self._preemption is not None:
                 self._preemption.close()
             self._telemetry.close()
@@ -445,9 +483,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ reading
 
-    def all_steps(self) -> list[int]:
-        """Committed steps, sorted (a damaged step is listed too; `restore` tells it apart)."""
-        return self._catalog.steps()
+    def all_steps(self, tier: Literal["persistent", "local"] | None = None) -> list[int]:
+        """Committed steps, sorted (a damaged step is listed too; `restore` tells it apart); of
+        one tier, or of both (``local=``: the local steps every process held at the last
+        agreement, and those this process committed since)."""
+        persistent = self._catalog.steps() if tier in (None, "persistent") else []
+        if self._local is None or tier == "persistent":
+            if tier not in (None, "persistent", "local"):
+                raise ValueError(f"tier must be None, 'persistent' or 'local', got {tier!r}")
+            return persistent
+        return sorted(set(persistent) | set(self._local.steps()))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -484,6 +529,10 @@ class CheckpointManager:
                 metric, _ = self._options.required_best_rule()
                 raise StepNotFoundError(f"no step in {self._where} has metric {metric!r}")
             restored = self._reader.restore(best, wanted)
+        elif self._local is not None:  # one decision of all processes, of either tier
+            at = None if step is None else as_step(step)
+            persistent = self._catalog.steps()
+            restored = self._local.restore(self._reader, persistent, at, wanted, fallback)[1]
         elif step is None:
             restored = self._reader.restore_newest(wanted, fallback)
         else:

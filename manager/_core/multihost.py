@@ -11,9 +11,12 @@ The manager uses it for multi-process saves (docs/multihost.md).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from cairn.handlers.errors import BarrierTimeoutError
@@ -46,6 +49,20 @@ class Meetings(Protocol):
     def forget(self, name: str) -> None: ...
 
 
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("cairn_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """`Processes.detect` finds this process alone (a local tier's manager: each process
+    commits its own part into a directory only it sees, meeting nobody)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class Processes:
     """This process's index among `count` processes, and which of them is the primary (the one
@@ -61,7 +78,7 @@ class Processes:
         """The processes of an initialised ``jax.distributed`` run, else a single process;
         ValueError if `primary` is not one of its process indices."""
         count, found = 1, cls()
-        if "jax" in sys.modules:
+        if "jax" in sys.modules and not _ALONE.get():
             from jax._src import distributed
 
             state = distributed.global_state

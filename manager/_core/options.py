@@ -18,6 +18,7 @@ from cairn.manager._core.policies import (
     find_keep_best,
     policy_kind,
 )
+from cairn.manager._core.tiers import LocalTier
 from cairn.manager._core.validate import (
     check_barrier_timeout,
     check_best,
@@ -57,6 +58,7 @@ class Options:
     tensorboard_dir: str | os.PathLike[str] | None
     primary_process: int
     storage_options: Mapping[str, Any] | None
+    local: LocalTier | None = None
 
     @property
     def best_rule(self) -> tuple[str, str] | None:
@@ -100,6 +102,7 @@ class Options:
         max_write_bytes_per_s: Any,
         incremental: Any,
         writer: Any,
+        local: Any = None,
     ) -> Options:
         target = check_directory(directory)
         if writer not in ("thread", "process"):
@@ -125,6 +128,8 @@ class Options:
         incremental = check_flag("incremental", incremental)
         if writer == "process":
             _check_writer_process_options(async_save, zero_copy, incremental)
+        if local is not None:
+            _check_local(local, read_only, writer, incremental)
         max_staging_bytes = check_max_staging_bytes(max_staging_bytes)
         zero_copy = check_flag("zero_copy", zero_copy)
         budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
@@ -155,6 +160,7 @@ class Options:
             tensorboard_dir=tensorboard_dir,
             primary_process=check_primary_process(primary_process),
             storage_options=storage_options,
+            local=local,
         )
 
 
@@ -169,3 +175,15 @@ def _check_writer_process_options(async_save: Any, zero_copy: Any, incremental: 
         )
     if incremental is True:
         raise ValueError("incremental=True cannot go with writer='process' yet")
+
+
+def _check_local(local: Any, read_only: Any, writer: Any, incremental: Any) -> None:
+    """local= (a LocalTier), and the options it cannot go with yet."""
+    if not isinstance(local, LocalTier):
+        raise TypeError(f"local= must be a LocalTier or None, got {local!r}")
+    if read_only is True:
+        raise ValueError("local= is the writing manager's: a read_only=True manager takes none")
+    if writer == "process":
+        raise ValueError("local= cannot go with writer='process' yet")
+    if incremental is True:
+        raise ValueError("local= cannot go with incremental=True yet")

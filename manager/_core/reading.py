@@ -22,11 +22,11 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import check_item, chunks_by_pack, parse_json
+from cairn.handlers.io import as_parts, check_item, chunks_by_pack, parse_json
 from cairn.manager._core.catalog import Catalog, StepRecord, read_record
 from cairn.manager._core.multihost import Processes
 from cairn.manager._core.telemetry import Telemetry
-from cairn.manager._format import ROOT_METADATA, Manifest, StepNames, check_metadata
+from cairn.manager._format import PART, ROOT_METADATA, Manifest, StepNames, check_metadata
 from cairn.manager._storage.base import Listed, Storage
 
 log = logging.getLogger("cairn")
@@ -264,7 +264,10 @@ class Reader:
             stored = self._stored(step, name, manifest)
             stored.check_files()  # a missing or truncated file fails before any parsing
             try:
-                with writing_as(self._me.index, self._me.count):  # per-process data: this one's
+                with (
+                    writing_as(self._me.index, self._me.count),  # per-process data: this one's
+                    as_parts(PART in manifest.metadata),  # a local tier's part: this process's
+                ):
                     restored[name] = handler.restore(stored, target)
             except FileNotFoundError as e:  # a file vanished after check_files
                 raise CorruptCheckpointError(
@@ -357,7 +360,8 @@ class Reader:
             if progress is not None:
                 progress(record.size)
         if len(problems) == known:  # the files hold: what a restore checks before reading
-            problems += self._check_item(name, manifest.items[name].handler, stored)
+            with as_parts(PART in manifest.metadata):
+                problems += self._check_item(name, manifest.items[name].handler, stored)
 
     def _check_item(self, name: str, handler_id: str, stored: StoredItem) -> list[str]:
         """The item's handler's ``check`` (what a restore refuses before it reads), as problems;

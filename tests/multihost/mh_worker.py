@@ -73,8 +73,10 @@ def main() -> None:
         count_requests(procs, directory)
     elif scenario == "orbax":
         orbax_surface(procs, directory)
+    elif scenario == "local":
+        local_tier(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
-    if scenario in ("peer-dies", "kill", "writer-dies"):
+    if scenario in ("peer-dies", "kill", "writer-dies", "local"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
     jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
 
@@ -243,6 +245,88 @@ def orbax_surface(procs: Any, directory: str) -> None:
             np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * 3)
         assert next(fresh) == expected_next, "the iterator did not resume where it was saved"
         assert mngr.metrics(3) == {"loss": 0.25}
+
+
+def local_tier(procs: Any, directory: str) -> None:
+    """A local tier (each process's own directory, CAIRN_TEST_LOCAL/local-{process}) beside the
+    persistent directory: a sharded array, a replicated one, host data and each process's
+    iterator. CAIRN_TEST_PHASE=save saves steps 1..CAIRN_TEST_STEPS (persistent every 5, local
+    every 2, keep 2 in each), SIGKILLing process CAIRN_TEST_VICTIM right after save() of step
+    CAIRN_TEST_KILL_AT returned, if set; =resume first wipes the local directory of process
+    CAIRN_TEST_WIPE, if set, then restores and checks every value, and saves one more step."""
+    import shutil
+
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from support.iterutil import Shuffled, advanced, take
+
+    from cairn.manager import CheckpointManager, EveryNSteps, KeepLatest, LocalTier
+
+    env = os.environ
+    local_root = env["CAIRN_TEST_LOCAL"]
+    mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
+    sharded, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
+    full = np.arange(256 * 16, dtype=np.float32).reshape(256, 16)
+
+    def state(step: int) -> Any:
+        return {
+            "w": jax.make_array_from_callback(full.shape, sharded, lambda i: full[i] * step),
+            "r": jax.make_array_from_callback((4, 4), replicated, lambda i: np.eye(4)[i] * step),
+            "host": np.arange(3) * step,
+            "step": step,
+        }
+
+    def position(step: int) -> int:
+        return 7 * procs.index + step
+
+    def manager() -> Any:
+        tier = LocalTier(f"{local_root}/local-{{process}}", save=EveryNSteps(2), keep=KeepLatest(2))
+        return CheckpointManager(
+            directory, save=EveryNSteps(5), keep=KeepLatest(2), local=tier, barrier_timeout=30
+        )
+
+    if env["CAIRN_TEST_PHASE"] == "save":
+        kill_at = int(env.get("CAIRN_TEST_KILL_AT", "-1"))
+        victim = int(env.get("CAIRN_TEST_VICTIM", "-1"))
+        with manager() as mgr:
+            for step in range(1, int(env["CAIRN_TEST_STEPS"]) + 1):
+                if mgr.should_save(step):
+                    it = advanced(Shuffled(seed=procs.index), position(step))
+                    mgr.save(step, {"state": state(step), "data": it})
+                if step == kill_at and victim in (procs.index, procs.count):
+                    print(f"killing myself after step {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            mgr.wait_until_finished()
+            print(f"steps {mgr.all_steps('persistent')} {mgr.all_steps('local')}", flush=True)
+        return
+    wipe = env.get("CAIRN_TEST_WIPE")
+    if wipe is not None and int(wipe) == procs.index:
+        shutil.rmtree(f"{local_root}/local-{procs.index}", ignore_errors=True)
+    target = {
+        "w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharded),
+        "r": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=replicated),
+        "host": np.zeros(3, np.int64),
+        "step": 0,
+    }
+    with manager() as mgr:
+        latest = mgr.latest_step()
+        got = mgr.restore(items={"state": target, "data": Shuffled(seed=procs.index)})
+        step = got["state"]["step"]
+        for shard in got["state"]["w"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * step)
+        for shard in got["state"]["r"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), np.eye(4) * step)
+        np.testing.assert_array_equal(got["state"]["host"], np.arange(3) * step)
+        want = take(advanced(Shuffled(seed=procs.index), position(step)))
+        assert take(got["data"]) == want, "the iterator did not come back"
+        print(f"latest {latest} restored {step}", flush=True)
+        it = advanced(Shuffled(seed=procs.index), position(step + 1))
+        mgr.save(step + 1, {"state": state(step + 1), "data": it}, force=True)
+        mgr.wait_until_finished()
+        print(f"after {mgr.all_steps('persistent')} {mgr.all_steps('local')}", flush=True)
 
 
 def count_requests(procs: Any, directory: str) -> None:
