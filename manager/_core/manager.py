@@ -188,22 +188,7 @@ class CheckpointManager:
         )
         self._writer = not o.read_only and procs.primary  # holds the lock, cleans, deletes
         try:
-            if self._writer:
-                _open_for_writing(storage, o, self._reader)
-            refusal = None
-            if procs.primary:
-                catalog.replace(self._reader.scan())
-                if not storage.lists_cheaply and not catalog.steps():  # one more listing
-                    refusal = naming_refusal(storage, o.names)
-            self._together.open(refusal)
-            if self._writer:  # a crash between an item's drop and the removal of its files
-                storage.remove_dropped(
-                    {
-                        o.names.format(step): manifest
-                        for step, manifest in catalog.manifests().items()
-                        if any(e.dropped for e in manifest.items.values())
-                    }
-                )
+            _open_directory(storage, o, self._reader, self._together, writer=self._writer)
         except BaseException:
             if self._writer:
                 storage.release()
@@ -664,37 +649,6 @@ class CheckpointManager:
         """Read the directory again (after pending commits), e.g. to see another writer's steps."""
         self._catalog.replace(self._commits.on_commit_thread(self._reader.scan))
 
-    def _hand_over(self) -> None:
-        """A newer writable manager of this process opens the directory (`takeover`): finish
-        what is pending, let go of the directory and stay open for reading. An error of a
-        pending commit is logged and stays kept for this manager's next call."""
-        with self._handing:
-            if self._commits.closed or self._superseded:
-                return
-            self._superseded = (
-                f"a newer writable CheckpointManager of {self._where} in this process took "
-                "over; this one is read-only now. Save through the new one (or close it and "
-                "open a new manager)"
-            )
-        try:
-            self._commits.drain()
-        finally:
-            self._commits.stop()
-            if self._preemption is not None:
-                self._preemption.close()
-                self._preemption = None
-            if self._writer:
-                self._storage.release()
-                self._writer = False
-            self._read_only = True
-        pending = self._commits.errors.pending()
-        log.warning(
-            "cairn: a newer writable CheckpointManager of %s in this process took over; the "
-            "older one finished its pending commits and is read-only now%s",
-            self._where,
-            f" (they failed: {pending})" if pending else "",
-        )
-
     def _check_writable(self, what: str) -> None:
         if self._superseded is not None:
             raise SupersededError(f"{what}: {self._superseded}")
@@ -721,6 +675,31 @@ def _prepare_staging(
                 pool.prepare(name, size(obj, shared=pool.shared))
         except Exception as e:  # costs the first save a fault-in, never the restore
             log.debug("cairn: no staging memory prepared for item %r: %r", name, e)
+
+
+def _open_directory(
+    storage: Storage, o: Options, reader: Reader, together: Coordinator, *, writer: bool
+) -> None:
+    """The writer (the primary of a writable manager) locks, cleans up, saves the metadata;
+    the primary lists the steps, which every process then knows (`Coordinator.open`); the
+    writer finishes what a crash left between an item's drop and the removal of its files."""
+    if writer:
+        _open_for_writing(storage, o, reader)
+    refusal = None
+    catalog = reader.catalog
+    if together.procs.primary:
+        catalog.replace(reader.scan())
+        if not storage.lists_cheaply and not catalog.steps():  # one more listing
+            refusal = naming_refusal(storage, o.names)
+    together.open(refusal)
+    if writer:
+        storage.remove_dropped(
+            {
+                o.names.format(step): manifest
+                for step, manifest in catalog.manifests().items()
+                if any(e.dropped for e in manifest.items.values())
+            }
+        )
 
 
 def _open_for_writing(storage: Storage, o: Options, reader: Reader) -> None:

@@ -93,6 +93,7 @@ class Reader:
         failed: Callable[[int], bool],
     ) -> None:
         self._storage, self._names, self._catalog = storage, names, catalog
+        self.catalog = catalog  # the steps it reads, which it updates
         self._handlers, self._me, self._failed = handlers, me, failed
         self.telemetry: Telemetry | None = None  # restores are recorded there once it is set
         self._where = storage.url

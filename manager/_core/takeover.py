@@ -4,9 +4,12 @@ the first), and a reader opened in the process sees the saves its writer accepte
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any
+
+log = logging.getLogger("cairn")
 
 # The writable manager open on each directory in this process, by the storage's identity.
 _WRITERS: dict[str, weakref.ref[Any]] = {}
@@ -15,13 +18,45 @@ _WRITERS_LOCK = threading.Lock()
 
 def take_over(key: str, manager: Any) -> None:
     """Register `manager` as the directory's writer; the one registered before hands over
-    (its ``_hand_over``: it finishes its pending commits and turns read-only)."""
+    (`hand_over`: it finishes its pending commits and turns read-only)."""
     with _WRITERS_LOCK:
         ref = _WRITERS.get(key)
         _WRITERS[key] = weakref.ref(manager)
     previous = ref() if ref is not None else None
     if previous is not None and previous is not manager:
-        previous._hand_over()
+        hand_over(previous)
+
+
+def hand_over(self: Any) -> None:
+    """A newer writable manager of this process opens the directory: the older one, `self`,
+    finishes what is pending, lets go of the directory and stays open for reading. An error of
+    a pending commit is logged and stays kept for its next call."""
+    with self._handing:
+        if self._commits.closed or self._superseded:
+            return
+        self._superseded = (
+            f"a newer writable CheckpointManager of {self._where} in this process took "
+            "over; this one is read-only now. Save through the new one (or close it and "
+            "open a new manager)"
+        )
+    try:
+        self._commits.drain()
+    finally:
+        self._commits.stop()
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
+        if self._writer:
+            self._storage.release()
+            self._writer = False
+        self._read_only = True
+    pending = self._commits.errors.pending()
+    log.warning(
+        "cairn: a newer writable CheckpointManager of %s in this process took over; the "
+        "older one finished its pending commits and is read-only now%s",
+        self._where,
+        f" (they failed: {pending})" if pending else "",
+    )
 
 
 def settle_writer(key: str) -> None:

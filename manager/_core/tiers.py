@@ -204,14 +204,13 @@ class Local:
         newest = max(self.agreed, default=None)
         started = self.inner._catalog.get(newest) if newest is not None else None
         if started is not None and started.manifest is not None:
-            self._last_save.read(newest, started.manifest.started_at, warn=False)
+            self._last_save.read(started.manifest.step, started.manifest.started_at, warn=False)
 
     def steps(self) -> list[int]:
-        """The local steps: agreed on (and not deleted since by retention, which is the same
-        on every process), and the ones this process committed since."""
-        own = set(self.parts())
-        newest = max(self.agreed, default=-1)
-        return sorted({s for s in own if s in self.agreed or s > newest})
+        """The local steps: agreed on, and those this process committed since, less what its
+        retention deleted (the same on every process). A part found at the open that is not
+        complete on every process is not one: every process must answer alike."""
+        return sorted(set(self.parts()) & (self.agreed | self.handed))
 
     # ------------------------------------------------------------------ saving
 
@@ -264,10 +263,10 @@ class Local:
             metadata={**job.metadata, PART: part},
             incremental=False,
             budget=None,
-            settled=threading.Event(),
+            settled=(settled := threading.Event()),
         )
         if job.settled is None or job.settled.is_set():  # committed here: settled already
-            local.settled.set()
+            settled.set()
         self.handed.add(job.step)
         self._last_save.started(entered)
         inner._commits.take_slot(job.step)
@@ -401,7 +400,8 @@ def _plan(
     candidates = [step] if step is not None else sorted(held | set(persistent), reverse=True)
     for s in candidates:
         parts = [r.get(str(s)) for r in reports]
-        if all(p is not None for p in parts) and len({p["save"] for p in parts}) == 1:
+        saves = {p["save"] if p is not None else None for p in parts}
+        if None not in saves and len(saves) == 1:
             return {"step": s, "sources": ["local"] * count}
         if s in persistent and not any((p, s, "persistent") in bad for p in range(count)):
             sources = [

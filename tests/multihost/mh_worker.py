@@ -313,6 +313,9 @@ def local_tier(procs: Any, directory: str) -> None:
     }
     with manager() as mgr:
         latest = mgr.latest_step()
+        if latest is None:  # nothing every process can get: a fresh start
+            print("latest None restored 0", flush=True)
+            return
         got = mgr.restore(items={"state": target, "data": Shuffled(seed=procs.index)})
         step = got["state"]["step"]
         for shard in got["state"]["w"].addressable_shards:
