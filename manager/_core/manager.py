@@ -46,7 +46,7 @@ from cairn.manager._core.preemption import PreemptionWatch
 from cairn.manager._core.reading import ItemInfo, Reader, StepInfo, naming_refusal
 from cairn.manager._core.retention import Retention
 from cairn.manager._core.telemetry import Telemetry
-from cairn.manager._core.tiers import Local, LocalTier
+from cairn.manager._core.tiers import Local, LocalTier, NoLocal
 from cairn.manager._core.validate import as_step, check_entry_name, check_items
 from cairn.manager._core.writer import pack_job
 from cairn.manager._format import check_metadata, check_metrics, dump_checked
@@ -223,7 +223,7 @@ class CheckpointManager:
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
         )
         self._preemption_asked: int | None = None
-        self._local = None
+        self._local: Local | NoLocal = NoLocal()
         if o.local is not None:
             try:
                 self._local = Local.open(o.local, self._together, type(self), o)
@@ -256,7 +256,7 @@ class CheckpointManager:
     def _wants(self, step: int, *, force: bool) -> tuple[bool, bool]:
         """Whether the persistent tier and the local tier want `step` (`force`: both, where
         the step is not at or below their newest); every process asks alike."""
-        local = self._local is not None and self._local.wants(step, force=force)
+        local = self._local.wants(step, force=force)
         known = self._catalog.known()
         if force:
             return True, local
@@ -365,11 +365,10 @@ class CheckpointManager:
                 raise
         part = None
         if local:
-            assert self._local is not None
             part = self._local.save(job, entered, persistent=persistent)
             if not persistent:
                 settle(job, entered, handed=True)
-                self._local.settled(part, job)
+                self._local.finish(part, job)
                 return True
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
             if self._superseded is not None:
@@ -382,7 +381,7 @@ class CheckpointManager:
             self._commits.hand_over(job, packed, owner=self)
         settle(job, entered, handed=True)  # the commit writes each span as its copy ends
         if part is not None:
-            Local.settled(part, job)
+            self._local.finish(part, job)
         if self._preemption is not None and self._preemption.reached(step):
             self.wait_until_finished()  # the job is ending: this step must land before it does
         return True
@@ -410,8 +409,7 @@ class CheckpointManager:
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save is still being written or committed (Orbax's name)."""
-        local = self._local is not None and self._local.inner.is_saving_in_progress()
-        return local or self._catalog.any_in_flight()
+        return self._local.busy() or self._catalog.any_in_flight()
 
     # ------------------------------------------------------------------ waiting and errors
 
@@ -419,8 +417,7 @@ class CheckpointManager:
         """Block until pending commits and the retention after them are done, and the staging
         memory the next save copies into is ready; raise their error."""
         self._commits.drain()
-        if self._local is not None:
-            self._local.inner._commits.drain()
+        self._local.drain()
         self._staging.wait()
         self.check_for_errors()
 
@@ -428,8 +425,7 @@ class CheckpointManager:
         """Raise CommitError (once) if a background commit or retention failed since the last
         call (of either tier)."""
         self._commits.errors.raise_kept()
-        if self._local is not None:
-            self._local.inner.check_for_errors()
+        self._local.check_for_errors()
 
     def close(self) -> None:
         """Wait for pending commits, release the directory; raise a pending commit error if any."""
@@ -439,8 +435,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._commits.closed = True
-            if self._local is not None:
-                self._local.inner.close()
+            self._local.close()
             if self._preemption is not None:
                 self._preemption.close()
             self._telemetry.close()
@@ -472,12 +467,7 @@ class CheckpointManager:
         """Committed steps, sorted (a damaged step is listed too; `restore` tells it apart); of
         one tier, or of both (``local=``: the local steps every process held at the last
         agreement, and those this process committed since)."""
-        persistent = self._catalog.steps() if tier in (None, "persistent") else []
-        if self._local is None or tier == "persistent":
-            if tier not in (None, "persistent", "local"):
-                raise ValueError(f"tier must be None, 'persistent' or 'local', got {tier!r}")
-            return persistent
-        return sorted(set(persistent) | set(self._local.steps()))
+        return self._local.all_steps(self._catalog.steps(), tier)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -514,7 +504,7 @@ class CheckpointManager:
                 metric, _ = self._options.required_best_rule()
                 raise StepNotFoundError(f"no step in {self._where} has metric {metric!r}")
             restored = self._reader.restore(best, wanted)
-        elif self._local is not None:  # one decision of all processes, of either tier
+        elif isinstance(self._local, Local):  # one decision of all processes, of either tier
             at = None if step is None else as_step(step)
             persistent = self._catalog.steps()
             restored = self._local.restore(self._reader, persistent, at, wanted, fallback)[1]
@@ -558,9 +548,12 @@ class CheckpointManager:
         return self._reader.describe(step)
 
     def info(self, step: Any) -> StepInfo:
-        """The manifest of a committed step: items, metrics, user metadata, times, telemetry."""
+        """The manifest of a committed step: items, metrics, user metadata, times, telemetry,
+        and which tier holds it (a step of both: the persistent one)."""
         step = as_step(step)
         self._commits.wait_if_inflight(step)
+        if step not in self._catalog.steps() and step in self._local.steps():
+            return self._local.info(step)
         return self._reader.info(step)
 
     # ------------------------------------------------------------------ metrics

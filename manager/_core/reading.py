@@ -67,6 +67,8 @@ class StepInfo:
     telemetry: Mapping[str, float]
     #: the saving manager's best-step rule, (metric, "min" | "max"), if it had one
     best: tuple[str, str] | None = None
+    #: the tier that holds it: "persistent", or "local" (this process's part, ``local=``)
+    tier: str = "persistent"
 
     @property
     def bytes(self) -> int:

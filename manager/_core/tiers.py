@@ -26,6 +26,7 @@ from typing import Any
 from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError
 from cairn.handlers.io import share_snapshot
 from cairn.manager._core import commit as _commit
+from cairn.manager._core import decide, replicas
 from cairn.manager._core.coordination import Coordinator
 from cairn.manager._core.multihost import alone
 from cairn.manager._core.policies import (
@@ -39,7 +40,8 @@ from cairn.manager._core.policies import (
     policy_kind,
     uses_time,
 )
-from cairn.manager._format import PART
+from cairn.manager._core.replicas import holders
+from cairn.manager._format import PART, Manifest
 from cairn.manager._storage.base import check_directory
 
 __all__ = ["LocalTier"]
@@ -59,9 +61,14 @@ class LocalTier:
     directory URL; ``{process}`` in it is replaced by the process index (several processes on
     one host, or a test). `save`: the local tier's save policy (no `OnPreemption`: that save
     belongs to the persistent tier, which survives the host). `keep`: its retention, applied to
-    each process's parts (the newest step is always kept). `replicas`: how many other processes
-    also hold each process's part; 0 for now (a lost local directory is served by the
-    persistent tier). `storage_options`: as the manager's, for the local directory."""
+    each process's parts and to the replicas it holds (the newest step is always kept).
+    `replicas`: how many other processes also hold each process's part (the next ones by
+    process index), sent to them by save() over JAX's collectives; with 0, a process whose
+    local directory is lost gets its part from the persistent tier. `storage_options`: as the
+    manager's, for the local directory.
+
+    Layout: process p keeps its own parts in ``<directory>/process_<p>`` and the replicas it
+    holds of process q's in ``<directory>/process_<q>``, each an ordinary cairn directory."""
 
     directory: str | os.PathLike[str]
     _: dataclasses.KW_ONLY
@@ -89,12 +96,8 @@ class LocalTier:
             )
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise TypeError(f"LocalTier replicas= must be an int >= 0, got {self.replicas!r}")
-        if self.replicas != 0:
-            raise ValueError(
-                f"LocalTier replicas={self.replicas}: peer replicas are not there yet; with "
-                "replicas=0 a process whose local directory is lost gets its part from the "
-                "persistent tier"
-            )
+        if self.replicas < 0:
+            raise ValueError(f"LocalTier replicas= must be >= 0, got {self.replicas}")
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(
                 f"LocalTier storage_options= must be a mapping, got {self.storage_options!r}"
@@ -104,72 +107,88 @@ class LocalTier:
         """The local directory of process `process` (``{process}`` replaced)."""
         return os.fspath(self.directory).replace(_PLACEHOLDER, str(process))
 
+    def parts_directory(self, process: int, owner: int) -> str:
+        """Where process `process` keeps the parts of process `owner` (its own, or replicas)."""
+        return f"{self.directory_of(process).rstrip('/')}/process_{owner}"
+
 
 class Local:
-    """A manager's local tier at run time: this process's local manager (single-process, on
-    `alone` terms), the steps every process agreed it holds, and the shared decisions.
+    """A manager's local tier at run time: this process's managers of parts (its own, and the
+    replicas it holds of others', each single-process on `alone` terms), the steps every
+    process can get its part of (`agreed`), and the shared decisions.
 
     Concurrency: called on the outer manager's caller thread, in the same order on every
-    process (`wants`, `save`, `restore` make collective calls through the outer `Coordinator`);
-    the local manager's commit thread writes and commits each part, then applies its
-    retention, as any manager's does."""
+    process (`wants`, `save`, `finish`, `restore` make collective calls through the outer
+    `Coordinator`, and the replica transfers are JAX collectives, made there too); each
+    manager's commit thread writes and commits its parts, then applies its retention."""
 
-    def __init__(self, tier: LocalTier, inner: Any, together: Coordinator) -> None:
-        self.tier, self.inner, self._together = tier, inner, together
+    def __init__(self, tier: LocalTier, managers: dict[int, Any], together: Coordinator) -> None:
+        self.tier, self._together = tier, together
         self.procs = together.procs
-        self._timeout = inner._options.barrier_timeout
-        #: steps whose part every process held at the last agreement (open, restore)
+        self.managers = managers  # by owner: this process's own first
+        self.inner = managers[self.procs.index]
+        self._timeout = self.inner._options.barrier_timeout
+        #: steps every process could get its part of at the last agreement (open, restore)
         self.agreed: set[int] = set()
         self.handed: set[int] = set()  # steps save() gave the local tier since then
+        self._unowned: set[int] = set()  # agreed steps this process held no own part of
+        self.replicas = _replicas(tier, self.procs.count)
         self._last_save = LastSave()
         self._agree()
 
     @classmethod
     def open(
-        cls,
-        tier: LocalTier,
-        together: Coordinator,
-        make: Callable[..., Any],
-        options: Any,
+        cls, tier: LocalTier, together: Coordinator, make: Callable[..., Any], options: Any
     ) -> Local:
-        """Open this process's local directory with `make` (the manager class) and agree."""
-        with alone():
-            inner = make(
-                tier.directory_of(together.procs.index),
-                save=tier.save,
-                keep=tier.keep,
-                handlers=options.handlers,
-                step_prefix=options.names.prefix,
-                step_digits=options.names.digits,
-                async_save=options.async_save,
-                max_pending=options.max_pending,
-                barrier_timeout=options.barrier_timeout,
-                storage_options=tier.storage_options,
-                zero_copy=True,  # it stages nothing: the persistent manager's snapshot feeds it
-            )
+        """Open this process's directories of parts with `make` (the manager class), agree."""
+        me, count = together.procs.index, together.procs.count
+        # the owners whose parts this process holds: it is their k-th holder
+        owners = [me] + [(me - k) % count for k in range(1, _replicas(tier, count) + 1)]
+        managers: dict[int, Any] = {}
         try:
-            return cls(tier, inner, together)
+            with alone():
+                for owner in owners:
+                    managers[owner] = make(
+                        tier.parts_directory(me, owner),
+                        save=tier.save,
+                        keep=tier.keep,
+                        handlers=options.handlers,
+                        step_prefix=options.names.prefix,
+                        step_digits=options.names.digits,
+                        async_save=options.async_save,
+                        max_pending=options.max_pending,
+                        barrier_timeout=options.barrier_timeout,
+                        storage_options=tier.storage_options,
+                        zero_copy=True,  # it stages nothing: the persistent manager's snapshot feeds it
+                    )
+            return cls(tier, managers, together)
         except BaseException:
-            inner.close()
+            for manager in managers.values():
+                _close_quietly(manager)
             raise
 
     # ------------------------------------------------------------------ what this process holds
 
-    def parts(self) -> dict[int, dict[str, Any]]:
-        """This process's intact-looking parts by step: those its manifest says this process
-        of this many processes saved."""
-        me, count = self.procs.index, self.procs.count
+    def parts_of(self, owner: int) -> dict[int, dict[str, Any]]:
+        """The intact-looking parts of `owner` this process holds, by step: those whose record
+        says `owner` of this many processes saved them."""
         found = {}
-        for step, manifest in self.inner._catalog.manifests().items():
+        for step, manifest in self.managers[owner]._catalog.manifests().items():
             part = manifest.metadata.get(PART)
             if (
                 isinstance(part, dict)
-                and part.get("process") == me
-                and part.get("processes") == count
+                and part.get("process") == owner
+                and part.get("processes") == self.procs.count
                 and isinstance(part.get("save"), str)
             ):
                 found[step] = part
         return found
+
+    def _listing(self) -> str:
+        """This process's report (`decide`): every part it holds, by owner."""
+        return json.dumps(
+            {str(q): {str(s): p for s, p in self.parts_of(q).items()} for q in self.managers}
+        )
 
     def _gather(self, what: str, mine: str) -> list[str]:
         """Every process's `mine`, in process order, on the primary ([] elsewhere)."""
@@ -195,22 +214,30 @@ class Local:
         key = self._together.collective(what)
         return json.loads(procs.broadcast(key, text, self._timeout))
 
+    def _share_all(self, what: str, mine: str) -> list[str]:
+        """Every process's `mine`, on every process."""
+        gathered = self._gather(what, mine)
+        return list(self._share(f"{what}/all", lambda: gathered))
+
     def _agree(self) -> None:
-        """The steps whose part every process holds, from the same save (a collective)."""
-        mine = json.dumps({str(s): p["save"] for s, p in self.parts().items()})
-        reports = [json.loads(r) for r in self._gather("local/parts", mine)]
-        self.agreed = set(self._share("local/agreed", lambda: sorted(_complete(reports))))
+        """The steps every process can get its part of from the local tier (a collective)."""
+        reports = [json.loads(r) for r in self._gather("local/parts", self._listing())]
+        count = self.procs.count
+        self.agreed = set(self._share("local/agreed", lambda: decide.complete(reports, count)))
         self.handed = set()
+        self._unowned = self.agreed - set(self.parts_of(self.procs.index))
         newest = max(self.agreed, default=None)
         started = self.inner._catalog.get(newest) if newest is not None else None
         if started is not None and started.manifest is not None:
             self._last_save.read(started.manifest.step, started.manifest.started_at, warn=False)
 
     def steps(self) -> list[int]:
-        """The local steps: agreed on, and those this process committed since, less what its
-        retention deleted (the same on every process). A part found at the open that is not
-        complete on every process is not one: every process must answer alike."""
-        return sorted(set(self.parts()) & (self.agreed | self.handed))
+        """The local steps: agreed on, and those saved since, less what retention deleted.
+        At the open and after a restore the same on every process (so is latest_step());
+        after saves, this process's view of its own parts."""
+        own = set(self.parts_of(self.procs.index))
+        steps = (own | self._unowned) & (self.agreed | self.handed)
+        return sorted(s for s in steps if not own or s >= min(own))  # retention ran alike
 
     # ------------------------------------------------------------------ saving
 
@@ -235,19 +262,10 @@ class Local:
             "local/should_save", lambda: checked_should_save(policy, step, context)
         )
 
-    def save(
-        self,
-        job: _commit.SaveJob,
-        entered: float,
-        *,
-        persistent: bool,
-    ) -> _commit.SaveJob:
-        """Hand this process's part of `job`'s step to the local manager (its commit thread,
-        or committed here when synchronous); the job it commits. With `persistent`, the same
+    def save(self, job: _commit.SaveJob, entered: float, *, persistent: bool) -> _commit.SaveJob:
+        """Hand this process's part of `job`'s step to its manager (its commit thread, or
+        committed here when synchronous); the job it commits. With `persistent`, the same
         snapshots go to the persistent tier too, so each is written twice."""
-        inner = self.inner
-        if job.step in inner.all_steps():  # a part of a timeline the run left
-            inner.delete(job.step)
         if persistent:
             for _, snapshot in job.snapshots.values():
                 share_snapshot(snapshot, 2)
@@ -269,20 +287,65 @@ class Local:
             settled.set()
         self.handed.add(job.step)
         self._last_save.started(entered)
-        inner._commits.take_slot(job.step)
-        inner._catalog.start(job.step)
-        if inner._commits.executor is None:
-            inner._commits.run_save(local, reraise=True)
-        else:
-            inner._commits.hand_over(local, None, owner=inner)
+        _commit_part(self.inner, local, now=False)
         return local
 
-    @staticmethod
-    def settled(local: _commit.SaveJob, job: _commit.SaveJob) -> None:
-        """save() is returning: the part's commit may record the time it blocked and go on."""
+    def finish(self, local: _commit.SaveJob, job: _commit.SaveJob) -> None:
+        """save() is returning: the part's commit may record the time save() blocked and go
+        on; then, with replicas, this process's part, once committed, goes to its holders and
+        the parts it holds of others come in (collectives, on this thread)."""
         local.blocked_s = job.blocked_s
         assert local.settled is not None
         local.settled.set()
+        if self.replicas:
+            self._replicate(local.step)
+
+    def _replicate(self, step: int) -> None:
+        me, count = self.procs.index, self.procs.count
+        self.inner._commits.drain()  # this process's part is committed (or failed)
+        payload = b""
+        if self.inner._catalog.get(step) is not None:
+            try:
+                payload = self._payload(self.inner, step)
+            except Exception as e:  # its holders get nothing; the others' parts still come
+                log.error("cairn: step %d: this process's part cannot be sent: %r", step, e)
+        sizes = [int(n) for n in self._share_all("local/sizes", str(len(payload)))]
+        for k in range(1, self.replicas + 1):
+            pairs = [(p, holders(p, count, k)[-1]) for p in range(count) if sizes[p]]
+            got = replicas.exchange(self.procs, pairs, payload, sizes)
+            owner = (me - k) % count
+            if got:
+                try:
+                    _commit_part(self.managers[owner], self._received(owner, got), now=False)
+                except Exception as e:  # this replica is missing; the part has other sources
+                    log.error("cairn: a replica of process %d's step %d: %r", owner, step, e)
+
+    def _payload(self, manager: Any, step: int) -> bytes:
+        """A committed part as one payload, each file checked against its record as it is read."""
+        reader = manager._reader
+        manifest = reader.manifest(step)
+        files = []
+        for item, entry in manifest.items.items():
+            if entry.dropped:
+                continue
+            stored = reader._stored(step, item, manifest)
+            files += [(item, f.path, stored.read_bytes(f.path)) for f in entry.files]
+        return replicas.pack_part(manifest, files)
+
+    def _received(self, owner: int, payload: bytes) -> _commit.SaveJob:
+        """The job that commits a part of `owner` received from another process; what its
+        header says is checked against the part's own record first."""
+        header, files = replicas.unpack_part(payload)
+        manifest = Manifest.from_bytes(header["manifest"].encode(), f"a part of process {owner}")
+        part = manifest.metadata.get(PART)
+        if not isinstance(part, dict) or (part.get("process"), part.get("processes")) != (
+            owner,
+            self.procs.count,
+        ):
+            raise CorruptCheckpointError(
+                f"a part received as process {owner}'s records {part!r} (step {manifest.step})"
+            )
+        return replicas.received_job(files, manifest)
 
     def _save_id(self) -> str:
         """An id for one save, the same on every process (a collective call's name)."""
@@ -299,20 +362,21 @@ class Local:
         fallback: bool,
     ) -> tuple[int, dict[str, Any]]:
         """Restore the newest step (or `step`) every process can get its part of: the plan is
-        the primary's, from every process's parts and the persistent steps; each process
-        reads its source; all vote, and a source that failed is struck out and the decision
-        taken again. Local parts above the step restored are then deleted (they belong to a
-        timeline the run left). Returns (step, items)."""
-        self.inner.wait_until_finished()
+        the primary's (`decide.plan`), from every process's listing and the persistent steps;
+        the parts that come from peers are sent, and committed into their owners' directories;
+        each process reads its source; all vote, and a source that failed is struck out and
+        the decision taken again. Parts above the step restored are then deleted (a timeline
+        the run left). Returns (step, items)."""
+        for manager in self.managers.values():
+            manager.wait_until_finished()
         persistent = sorted(persistent)
-        bad: set[tuple[int, int, str]] = set()  # (process, step, tier) that failed to read
-        me = self.procs.index
+        bad: decide.Bad = set()
+        me, count = self.procs.index, self.procs.count
         while True:
-            mine = {str(s): p for s, p in self.parts().items() if (me, s, "local") not in bad}
-            reports = [json.loads(r) for r in self._gather("local/restore", json.dumps(mine))]
+            reports = [json.loads(r) for r in self._gather("local/restore", self._listing())]
             plan = self._share(
                 "local/plan",
-                lambda got=reports: _plan(got, persistent, step, bad, self.procs.count),  # type: ignore[misc]
+                lambda got=reports: decide.plan(got, persistent, step, bad, count),  # type: ignore[misc]
             )
             if plan["step"] is None:
                 raise StepNotFoundError(
@@ -320,30 +384,31 @@ class Local:
                     if step is not None
                     else "no step is held by every process in the local tier or persistently"
                 )
-            at, source = int(plan["step"]), plan["sources"][me]
-            error: BaseException | None = None
+            at, sources = int(plan["step"]), plan["sources"]
             restored: dict[str, Any] = {}
-            try:
-                if source == "local":
-                    restored = self.inner._reader.restore(at, wanted)
-                else:
-                    restored = reader.restore(at, wanted)
-            except Exception as e:
-                error = e
-            outcome = "ok" if error is None else _outcome(error)
-            votes = self._share_all("local/vote", outcome)
+            error = self._fetch(at, sources)
+            if error is None:
+                try:
+                    if sources[me] == "persistent":
+                        restored = reader.restore(at, wanted)
+                    else:
+                        restored = self.inner._reader.restore(at, wanted)
+                except Exception as e:
+                    error = e
+            votes = self._share_all("local/vote", "ok" if error is None else _outcome(error))
             if all(v == "ok" for v in votes):
                 self._after_restore(at)
                 return at, restored
             for p, vote in enumerate(votes):
                 if vote == "corrupt":
-                    bad.add((p, at, plan["sources"][p]))
+                    source = sources[p] if isinstance(sources[p], str) else "peer"
+                    bad.add((p, at, source))
                     log.warning(
                         "cairn: process %d could not read its part of step %d from the %s tier; "
                         "deciding again without it",
                         p,
                         at,
-                        plan["sources"][p],
+                        source,
                     )
             if any(v not in ("ok", "corrupt") for v in votes) or not fallback or step is not None:
                 if error is not None:
@@ -353,62 +418,150 @@ class Local:
                     f"the restore of step {at} failed on process(es) {failed}: {votes}"
                 )
 
-    def _share_all(self, what: str, mine: str) -> list[str]:
-        """Every process's `mine`, on every process."""
-        gathered = self._gather(what, mine)
-        return list(self._share(f"{what}/all", lambda: gathered))
+    def _fetch(self, step: int, sources: list[Any]) -> BaseException | None:
+        """The plan's transfers from peers: rounds of (holder, owner) pairs with distinct
+        holders, every process calling alike; each owner commits what it got into its own
+        directory. This process's error, if its part did not come."""
+        wanted = [(src[1], owner) for owner, src in enumerate(sources) if isinstance(src, list)]
+        me, error = self.procs.index, None
+        while wanted:
+            round_, senders = [], set()
+            for pair in wanted:
+                if pair[0] not in senders:
+                    round_.append(pair)
+                    senders.add(pair[0])
+            wanted = [p for p in wanted if p not in round_]
+            payload = b""
+            for holder, owner in round_:
+                if holder == me:
+                    try:
+                        payload = self._payload(self.managers[owner], step)
+                    except Exception as e:
+                        log.error("cairn: the replica of process %d's step %d: %r", owner, step, e)
+            sizes = [int(n) for n in self._share_all("local/fetch", str(len(payload)))]
+            got = replicas.exchange(self.procs, [p for p in round_ if sizes[p[0]]], payload, sizes)
+            if any(owner == me for _, owner in round_):
+                try:
+                    if not got:
+                        raise CorruptCheckpointError(
+                            f"step {step}: the process holding this process's part could not send it"
+                        )
+                    if step in self.inner.all_steps():
+                        self.inner.delete(step)
+                    _commit_part(self.inner, self._received(me, got), now=True)
+                except Exception as e:
+                    error = e
+        return error
 
     def _after_restore(self, step: int) -> None:
         """Parts above the restored step go (another timeline), and the tiers agree again."""
-        for newer in [s for s in self.inner.all_steps() if s > step]:
-            try:
-                self.inner.delete(newer)
-            except Exception as e:  # a part that stays is outvoted by its save id later
-                log.warning("cairn: could not delete local step %d: %r", newer, e)
+        for manager in self.managers.values():
+            for newer in [s for s in manager.all_steps() if s > step]:
+                try:
+                    manager.delete(newer)
+                except Exception as e:  # a part that stays is outvoted by its save id later
+                    log.warning("cairn: could not delete local step %d: %r", newer, e)
         self._agree()
 
+    def info(self, step: int) -> Any:
+        """A local step's `StepInfo`: this process's own part's."""
+        return dataclasses.replace(self.inner.info(step), tier="local")
+
+    def all_steps(self, persistent: list[int], tier: str | None) -> list[int]:
+        """`CheckpointManager.all_steps`: the persistent steps, the local ones, or both."""
+        local = self.steps() if tier in (None, "local") else []
+        return sorted(set(NoLocal().all_steps(persistent, tier)) | set(local))
+
+    # ------------------------------------------------------------------ the end
+
+    def check_for_errors(self) -> None:
+        """This process's own part commits raise (CommitError); a replica's are logged."""
+        self.inner.check_for_errors()
+
+    def drain(self) -> None:
+        for manager in self.managers.values():
+            manager._commits.drain()
+
+    def busy(self) -> bool:
+        return any(m.is_saving_in_progress() for m in self.managers.values())
+
     def close(self) -> None:
-        self.inner.close()
+        """Close the managers: this process's own raises a commit error; replicas' are logged."""
+        try:
+            self.inner.close()
+        finally:
+            for owner, manager in self.managers.items():
+                if owner != self.procs.index:
+                    _close_quietly(manager)
 
 
-def _complete(reports: list[Mapping[str, Any]]) -> list[int]:
-    """The steps every process reported a part of, from one save."""
-    if not reports:
+class NoLocal:
+    """A manager without a local tier: its side of `Local`'s calls."""
+
+    def wants(self, step: int, *, force: bool) -> bool:
+        return False
+
+    def steps(self) -> list[int]:
         return []
-    steps = set(reports[0])
-    for r in reports[1:]:
-        steps &= set(r)
-    return sorted(int(s) for s in steps if len({_save_of(r[s]) for r in reports}) == 1)
+
+    def all_steps(self, persistent: list[int], tier: str | None) -> list[int]:
+        if tier not in (None, "persistent", "local"):
+            raise ValueError(f"tier must be None, 'persistent' or 'local', got {tier!r}")
+        return persistent if tier in (None, "persistent") else []
+
+    def save(self, job: _commit.SaveJob, entered: float, *, persistent: bool) -> _commit.SaveJob:
+        raise AssertionError("no local tier")
+
+    def finish(self, local: _commit.SaveJob, job: _commit.SaveJob) -> None:
+        raise AssertionError("no local tier")
+
+    def info(self, step: int) -> Any:
+        raise AssertionError("no local tier")
+
+    def busy(self) -> bool:
+        return False
+
+    def drain(self) -> None:
+        pass
+
+    def check_for_errors(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def _save_of(part: Any) -> Any:
-    return part["save"] if isinstance(part, dict) else part
+def _replicas(tier: LocalTier, count: int) -> int:
+    """The replicas each part gets: at most one per other process."""
+    if tier.replicas >= count:
+        log.warning(
+            "cairn: LocalTier(replicas=%d) with %d process(es): each part is held by %d other(s)",
+            tier.replicas,
+            count,
+            count - 1,
+        )
+    return min(tier.replicas, count - 1)
 
 
-def _plan(
-    reports: list[Mapping[str, Any]],
-    persistent: list[int],
-    step: int | None,
-    bad: set[tuple[int, int, str]],
-    count: int,
-) -> dict[str, Any]:
-    """The primary's decision: the newest step (or `step`) for which every process has a
-    source. Its own part where every process holds one of that step from one save; otherwise,
-    if the persistent tier holds the step, the persistent step, except for processes whose
-    part came from the very save that wrote the persistent step."""
-    held = {int(s) for r in reports for s in r}
-    candidates = [step] if step is not None else sorted(held | set(persistent), reverse=True)
-    for s in candidates:
-        parts = [r.get(str(s)) for r in reports]
-        saves = {p["save"] if p is not None else None for p in parts}
-        if None not in saves and len(saves) == 1:
-            return {"step": s, "sources": ["local"] * count}
-        if s in persistent and not any((p, s, "persistent") in bad for p in range(count)):
-            sources = [
-                "local" if p is not None and p.get("persistent") else "persistent" for p in parts
-            ]
-            return {"step": s, "sources": sources}
-    return {"step": None}
+def _commit_part(manager: Any, job: _commit.SaveJob, *, now: bool) -> None:
+    """Commit a part through `manager`: on its commit thread, or here (`now`, or a synchronous
+    manager; errors raise then). A part of the same step already there (a timeline the run
+    left) goes first."""
+    if job.step in manager.all_steps():
+        manager.delete(job.step)
+    manager._commits.take_slot(job.step)
+    manager._catalog.start(job.step)
+    if now or manager._commits.executor is None:
+        manager._commits.run_save(job, reraise=True)
+    else:
+        manager._commits.hand_over(job, None, owner=manager)
+
+
+def _close_quietly(manager: Any) -> None:
+    try:
+        manager.close()
+    except Exception as e:
+        log.error("cairn: closing a local tier's replicas: %r", e)
 
 
 def _outcome(error: BaseException) -> str:

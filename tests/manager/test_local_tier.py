@@ -73,7 +73,7 @@ def restore(mgr: CheckpointManager, step: int | None = None, **kwargs: Any) -> d
 
 
 def local_step(root: Path, step: int) -> Path:
-    return root / "local-0" / f"checkpoint_{step}"
+    return root / "local-0" / "process_0" / f"checkpoint_{step}"
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
@@ -111,7 +111,7 @@ def test_a_lost_local_directory_falls_back_to_the_persistent_tier(tmp_path: Path
     with manager(tmp_path) as mgr:
         run(mgr, range(1, 26))
         assert mgr.all_steps() == [10, 20, 21, 24]
-    shutil.rmtree(tmp_path / "local-0")
+    shutil.rmtree(tmp_path / "local-0")  # a replaced host
     with manager(tmp_path) as mgr:
         assert mgr.all_steps() == [10, 20] and mgr.latest_step() == 20
         check(restore(mgr), 20)
@@ -168,7 +168,7 @@ def test_save_force_goes_to_both_tiers_and_retention_is_per_tier(tmp_path: Path)
         mgr.wait_until_finished()
         assert mgr.all_steps("persistent") == [2, 4] and mgr.all_steps("local") == [2, 4]
         assert not mgr.save(3, items(3))  # below the newest of both tiers
-        assert [p.name for p in sorted((tmp_path / "local-0").glob("checkpoint_*"))] == [
+        assert [p.name for p in sorted((tmp_path / "local-0/process_0").glob("checkpoint_*"))] == [
             "checkpoint_2",
             "checkpoint_4",
         ]
@@ -189,10 +189,10 @@ def test_the_local_directory_is_an_ordinary_cairn_directory(tmp_path: Path) -> N
     """`cairn list` and `cairn verify` read it; a read-only manager restores its part."""
     with manager(tmp_path) as mgr:
         run(mgr, range(1, 7))
-    cli = [sys.executable, "-m", "cairn.manager", "verify", str(tmp_path / "local-0")]
+    cli = [sys.executable, "-m", "cairn.manager", "verify", str(tmp_path / "local-0/process_0")]
     out = subprocess.run(cli, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    with CheckpointManager(tmp_path / "local-0", read_only=True) as reader:
+    with CheckpointManager(tmp_path / "local-0/process_0", read_only=True) as reader:
         assert reader.all_steps() == [3, 6]
         check(reader.restore(6, {"state": None, "data": Shuffled(seed=3)}), 6)
 
@@ -205,7 +205,7 @@ def test_the_local_directory_is_an_ordinary_cairn_directory(tmp_path: Path) -> N
         ({"directory": "d", "save": EveryNSteps(1), "keep": EveryNSteps(1)}, TypeError, "keep="),
         ({"directory": "d", "save": OnPreemption()}, ValueError, "cannot hold OnPreemption"),
         ({"directory": "d", "save": EveryNSteps(1), "replicas": True}, TypeError, "replicas="),
-        ({"directory": "d", "save": EveryNSteps(1), "replicas": 1}, ValueError, "not there yet"),
+        ({"directory": "d", "save": EveryNSteps(1), "replicas": -1}, ValueError, "replicas="),
         ({"directory": "d", "save": EveryNSteps(1), "storage_options": 3}, TypeError, "mapping"),
     ],
 )
@@ -236,7 +236,7 @@ def test_manager_refuses_what_a_local_tier_cannot_go_with(
 def test_the_part_record_is_cairns_own(tmp_path: Path) -> None:
     with manager(tmp_path) as mgr, pytest.raises(ValueError, match="cairn_part"):
         mgr.save(1, items(1), metadata={PART: {}}, force=True)
-    assert list((tmp_path / "local-0").glob("checkpoint_*")) == []
+    assert list((tmp_path / "local-0").glob("*/checkpoint_*")) == []
 
 
 def test_a_second_manager_on_the_same_local_directory_takes_it_over(tmp_path: Path) -> None:
@@ -261,3 +261,17 @@ def test_sharded_state_over_devices_is_held_whole_by_one_process(tmp_path: Path)
         target = {"x": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=sharding)}
         got = mgr.restore(3, {"state": target})["state"]["x"]
         np.testing.assert_array_equal(np.asarray(got), np.arange(16.0))
+
+
+def test_info_says_which_tier_holds_a_step(tmp_path: Path) -> None:
+    with manager(tmp_path) as mgr:
+        run(mgr, range(1, 11))
+        assert mgr.info(9).tier == "local" and str(mgr.info(9).path).endswith("checkpoint_9")
+        assert mgr.info(10).tier == "persistent"  # both tiers hold it: the persistent one
+        assert mgr.info(9).metadata[PART]["process"] == 0
+        with pytest.raises(StepNotFoundError):
+            mgr.info(8)
+        with pytest.raises(ValueError, match="tier must be"):
+            mgr.all_steps("bucket")  # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "persistent") as plain:
+        assert plain.all_steps("local") == [] and plain.all_steps("persistent") == [10]

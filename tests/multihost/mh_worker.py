@@ -253,8 +253,11 @@ def local_tier(procs: Any, directory: str) -> None:
     iterator. CAIRN_TEST_PHASE=save saves steps 1..CAIRN_TEST_STEPS (persistent every 5, local
     every 2, keep 2 in each), SIGKILLing process CAIRN_TEST_VICTIM right after save() of step
     CAIRN_TEST_KILL_AT returned, if set; =resume first wipes the local directory of process
-    CAIRN_TEST_WIPE, if set, then restores and checks every value, and saves one more step."""
+    CAIRN_TEST_WIPE, if set, then restores and checks every value, and saves one more step.
+    CAIRN_TEST_REPLICAS: the local tier's replicas= (0 by default); CAIRN_TEST_CORRUPT_REPLICA:
+    the other processes flip a byte in their newest replica of the wiped process's part."""
     import shutil
+    from pathlib import Path
 
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -283,7 +286,12 @@ def local_tier(procs: Any, directory: str) -> None:
         return 7 * procs.index + step
 
     def manager() -> Any:
-        tier = LocalTier(f"{local_root}/local-{{process}}", save=EveryNSteps(2), keep=KeepLatest(2))
+        tier = LocalTier(
+            f"{local_root}/local-{{process}}",
+            save=EveryNSteps(2),
+            keep=KeepLatest(2),
+            replicas=int(env.get("CAIRN_TEST_REPLICAS", "0")),
+        )
         return CheckpointManager(
             directory, save=EveryNSteps(5), keep=KeepLatest(2), local=tier, barrier_timeout=30
         )
@@ -305,6 +313,14 @@ def local_tier(procs: Any, directory: str) -> None:
     wipe = env.get("CAIRN_TEST_WIPE")
     if wipe is not None and int(wipe) == procs.index:
         shutil.rmtree(f"{local_root}/local-{procs.index}", ignore_errors=True)
+    if wipe is not None and env.get("CAIRN_TEST_CORRUPT_REPLICA") and int(wipe) != procs.index:
+        held = sorted(Path(f"{local_root}/local-{procs.index}/process_{wipe}").glob("check*"))
+        if held:  # a flipped byte in a pack of the newest replica of the wiped process's part
+            pack = next((held[-1] / "state" / "packs").glob("0.*"))
+            data = bytearray(pack.read_bytes())
+            data[10] ^= 0xFF
+            pack.write_bytes(bytes(data))
+            print(f"corrupted {held[-1].name}", flush=True)
     target = {
         "w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharded),
         "r": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=replicated),

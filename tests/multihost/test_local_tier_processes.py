@@ -18,7 +18,7 @@ from launcher import launch
 
 
 def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> list[str]:
-    """Launch a phase of the local-tier scenario; the stdout of each process."""
+    """Launch a phase of the local-tier scenario; the output of each process."""
     settings = {"CAIRN_TEST_LOCAL": str(local), "CAIRN_TEST_PHASE": phase}
     settings.update({f"CAIRN_TEST_{k.upper()}": str(v) for k, v in env.items()})
     results = launch("local", place.directory, count=count, timeout=300, env=settings)
@@ -28,7 +28,7 @@ def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> li
             assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
         else:
             assert r.returncode == 0, r.stderr[-3000:]
-    return [r.stdout for r in results]
+    return [r.stdout + r.stderr for r in results]
 
 
 def restored(outs: list[str]) -> int:
@@ -59,32 +59,75 @@ def test_two_processes_restore_from_local_parts_and_a_lost_one_from_the_persiste
         assert "after [13, 14] [14]" in out, out
 
 
-def kill_and_resume(place: Place, local: Path, rng: random.Random, count: int) -> None:
+@pytest.mark.parametrize("place", ["posix", "s3"], indirect=True)
+def test_a_lost_local_directory_is_served_by_a_peer_replica(
+    place: Place, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """replicas=1: each process also holds the other's parts (save() sends them over JAX's
+    collectives). Process 1's local directory wiped: step 12, newer than any persistent step,
+    still comes back on both, process 1's part from process 0's replica; the part is then
+    process 1's own again. Then process 0 is wiped and its newest replica (13) on process 1
+    damaged: that source fails its hashes, the vote strikes it, and step 13 comes back from
+    the persistent tier for process 0 and from its own part for process 1."""
+    local = tmp_path_factory.mktemp("local")
+    for out in run(place, local, "save", steps=12, replicas=1):
+        assert "steps [5, 10] [10, 12]" in out, out
+    assert sorted(p.name for p in (local / "local-0" / "process_1").iterdir()) == [
+        ".cairn.lock",
+        "checkpoint_10",
+        "checkpoint_12",
+    ]
+    outs = run(place, local, "resume", wipe=1, replicas=1)
+    assert restored(outs) == 12
+    assert (local / "local-1" / "process_1" / "checkpoint_12").is_dir()
+    for out in outs:
+        assert "after [10, 13] [12, 13]" in out, out
+    outs = run(place, local, "resume", wipe=0, replicas=1, corrupt_replica=1)
+    assert "corrupted checkpoint_13" in outs[1], outs
+    assert restored(outs) == 13
+    assert "process 0 could not read its part of step 13 from the peer tier" in outs[0], outs
+
+
+def kill_and_resume(
+    place: Place, local: Path, rng: random.Random, count: int, replicas: int = 0
+) -> None:
     """Every process is SIGKILLed right after save() of a random step returned (that save's
     commits may still be running); a random process's local directory is wiped or not; the
     restart restores the same step everywhere, bit-exact, and no older than the rule allows:
     each tier's save before its newest one had committed (max_pending=1), so the floor is the
     newer of the two tiers' second-newest saves, or with a wiped directory the persistent
-    tier's (0: nothing to restore, a fresh start)."""
+    tier's (0: nothing to restore, a fresh start), unless the part had replicas, which are
+    committed as surely as the parts (the holder's commit of a replica waits for the one
+    before)."""
     kill_at = rng.randint(3, 14)
-    run(place, local, "save", count=count, steps=16, kill_at=kill_at, victim=count)
+    run(
+        place,
+        local,
+        "save",
+        count=count,
+        steps=16,
+        kill_at=kill_at,
+        victim=count,
+        replicas=replicas,
+    )
     wipe = rng.choice([None, *range(count)])
-    outs = run(place, local, "resume", count=count, **({} if wipe is None else {"wipe": wipe}))
+    extra = {"replicas": replicas, **({} if wipe is None else {"wipe": wipe})}
+    outs = run(place, local, "resume", count=count, **extra)
     step = restored(outs)
 
     def committed(every: int) -> int:
         saves = [s for s in range(1, kill_at + 1) if s % every == 0]
         return saves[-2] if len(saves) > 1 else 0
 
-    floor = committed(5) if wipe is not None else max(committed(5), committed(2))
+    lost = wipe is not None and not replicas
+    floor = committed(5) if lost else max(committed(5), committed(2))
     assert floor <= step <= kill_at, (kill_at, wipe, step)
 
 
-@pytest.mark.parametrize("trial", range(2))
-def test_sigkill_of_every_process_then_resume(tmp_path: Path, trial: int) -> None:
-    kill_and_resume(
-        Place(str(tmp_path / "persistent")), tmp_path / "local", random.Random(trial), 2
-    )
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_sigkill_of_every_process_then_resume(tmp_path: Path, replicas: int) -> None:
+    place, rng = Place(str(tmp_path / "persistent")), random.Random(replicas)
+    kill_and_resume(place, tmp_path / "local", rng, 2, replicas)
 
 
 @pytest.mark.slow
@@ -93,5 +136,6 @@ def test_four_processes_sigkill_and_wipe_at_random(
     place: Place, tmp_path_factory: pytest.TempPathFactory, trial: int
 ) -> None:
     """make soak: 30 kill trials per backend with 4 processes, each drawing the step of the
-    kill and the process (if any) whose local directory is lost."""
-    kill_and_resume(place, tmp_path_factory.mktemp("local"), random.Random(1000 + trial), 4)
+    kill, the process (if any) whose local directory is lost, and replicas (0, 1 or 2)."""
+    rng = random.Random(1000 + trial)
+    kill_and_resume(place, tmp_path_factory.mktemp("local"), rng, 4, trial % 3)
