@@ -68,6 +68,11 @@ class MismatchError(CairnError, ValueError):
     """A restore target disagrees with the checkpoint; the message names the key path."""
 
 
+class PartMismatchError(MismatchError):
+    """A process's part of a local step does not hold the regions a restore reads: it was
+    saved with other shardings (a local tier then restores from the persistent one)."""
+
+
 class UnsupportedFormatError(CairnError, ValueError):
     """The checkpoint was written in a format (or by a handler version) this cairn cannot read."""
 

@@ -21,7 +21,7 @@ from cairn.handlers._packs import runs as packed_runs
 from cairn.handlers._train_state.layout import _size, _zarr_metadata
 from cairn.handlers._train_state.threads import _shared_pool
 from cairn.handlers._tree import TREE, KeyPath, dtype_from_name, dtype_name, keystr
-from cairn.handlers.errors import CorruptCheckpointError
+from cairn.handlers.errors import CorruptCheckpointError, PartMismatchError
 
 
 class _LeafReader:
@@ -136,13 +136,14 @@ class _LeafReader:
             record = self.stored.files.get(vpath)
             got, size = (None if record is None else record.size), size + 4
             what = self.describe(vpath)
-        if got != size:
-            held = "not held" if got is None else f"held with {got} bytes, not {size}"
-            raise CorruptCheckpointError(
-                f"{what} is {held} in this process's part of the step: a part holds the "
-                "regions of its process's devices as saved; restore it into the same "
-                "shardings (or from the persistent tier)"
+        if got is None:
+            raise PartMismatchError(
+                f"{what} is not in this process's part of the step: a part holds the regions "
+                "of its process's devices as saved; restore it into the same shardings (or "
+                "from the persistent tier)"
             )
+        if got != size:
+            raise CorruptCheckpointError(f"{what} is held with {got} bytes, not {size}")
 
     def read(self, index: tuple[slice, ...] = (), batch: _Batch | None = None) -> _Read:
         """A future of the data in `index` (whole leaf by default), as np.ndarray; with `batch`,

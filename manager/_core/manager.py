@@ -377,8 +377,8 @@ class CheckpointManager:
             self._catalog.start(step)
             if self._commits.executor is None:
                 self._commits.run_save(job, reraise=True)
-                return True
-            self._commits.hand_over(job, packed, owner=self)
+            else:
+                self._commits.hand_over(job, packed, owner=self)
         settle(job, entered, handed=True)  # the commit writes each span as its copy ends
         if part is not None:
             self._local.finish(part, job)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cairn.handlers.errors import CorruptCheckpointError, StepNotFoundError
+from cairn.handlers.errors import CorruptCheckpointError, PartMismatchError, StepNotFoundError
 from cairn.handlers.io import share_snapshot
 from cairn.manager._core import commit as _commit
 from cairn.manager._core import decide, replicas
@@ -143,7 +143,7 @@ class Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
         # the owners whose parts this process holds: it is their k-th holder
-        owners = [me] + [(me - k) % count for k in range(1, _replicas(tier, count) + 1)]
+        owners = [me] + [(me - k) % count for k in range(1, min(tier.replicas, count - 1) + 1)]
         managers: dict[int, Any] = {}
         try:
             with alone():
@@ -372,8 +372,10 @@ class Local:
         persistent = sorted(persistent)
         bad: decide.Bad = set()
         me, count = self.procs.index, self.procs.count
+        local_ok = True  # False once a part could not serve the shardings asked for
         while True:
-            reports = [json.loads(r) for r in self._gather("local/restore", self._listing())]
+            listing = self._listing() if local_ok else "{}"
+            reports = [json.loads(r) for r in self._gather("local/restore", listing)]
             plan = self._share(
                 "local/plan",
                 lambda got=reports: decide.plan(got, persistent, step, bad, count),  # type: ignore[misc]
@@ -399,6 +401,13 @@ class Local:
             if all(v == "ok" for v in votes):
                 self._after_restore(at)
                 return at, restored
+            if "mismatch" in votes:  # parts hold their process's regions as saved: not these
+                local_ok = False
+                log.warning(
+                    "cairn: the local parts of step %d do not hold the regions this restore "
+                    "reads (other shardings than saved): restoring from the persistent tier",
+                    at,
+                )
             for p, vote in enumerate(votes):
                 if vote == "corrupt":
                     source = sources[p] if isinstance(sources[p], str) else "peer"
@@ -410,12 +419,13 @@ class Local:
                         at,
                         source,
                     )
-            if any(v not in ("ok", "corrupt") for v in votes) or not fallback or step is not None:
+            failed = any(v not in ("ok", "corrupt", "mismatch") for v in votes)
+            if failed or not fallback or (step is not None and local_ok):
                 if error is not None:
                     raise error
-                failed = [p for p, v in enumerate(votes) if v != "ok"]
+                who = [p for p, v in enumerate(votes) if v != "ok"]
                 raise CorruptCheckpointError(
-                    f"the restore of step {at} failed on process(es) {failed}: {votes}"
+                    f"the restore of step {at} failed on process(es) {who}: {votes}"
                 )
 
     def _fetch(self, step: int, sources: list[Any]) -> BaseException | None:
@@ -565,8 +575,11 @@ def _close_quietly(manager: Any) -> None:
 
 
 def _outcome(error: BaseException) -> str:
-    """A process's vote after a failed read: its source is damaged ("corrupt"), or it failed
-    otherwise (the others raise too)."""
+    """A process's vote after a failed read: its part does not hold the regions asked for
+    ("mismatch"), its source is damaged ("corrupt"), or it failed otherwise (the others raise
+    too)."""
+    if isinstance(error, PartMismatchError):
+        return "mismatch"
     if isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
         return "corrupt"
     return f"{type(error).__name__}: {error}"

@@ -76,7 +76,7 @@ def main() -> None:
     elif scenario == "local":
         local_tier(procs, directory)
     print(f"ok {scenario} {pid}", flush=True)
-    if scenario in ("peer-dies", "kill", "writer-dies", "local"):
+    if scenario in ("peer-dies", "kill", "writer-dies"):
         os._exit(0)  # skip jax.distributed's shutdown barrier, which would wait for a dead peer
     jax.distributed.shutdown()  # both alive: leave together, so neither sees the other vanish
 
@@ -255,7 +255,8 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_KILL_AT returned, if set; =resume first wipes the local directory of process
     CAIRN_TEST_WIPE, if set, then restores and checks every value, and saves one more step.
     CAIRN_TEST_REPLICAS: the local tier's replicas= (0 by default); CAIRN_TEST_CORRUPT_REPLICA:
-    the other processes flip a byte in their newest replica of the wiped process's part."""
+    the other processes flip a byte in their newest replica of the wiped process's part;
+    CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with."""
     import shutil
     from pathlib import Path
 
@@ -321,6 +322,8 @@ def local_tier(procs: Any, directory: str) -> None:
             data[10] ^= 0xFF
             pack.write_bytes(bytes(data))
             print(f"corrupted {held[-1].name}", flush=True)
+    if env.get("CAIRN_TEST_RESHARD"):  # other shardings than saved: parts cannot serve them
+        sharded = NamedSharding(mesh, P(None, ("data", "model")))
     target = {
         "w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=sharded),
         "r": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=replicated),

@@ -88,6 +88,19 @@ def test_a_lost_local_directory_is_served_by_a_peer_replica(
     assert "process 0 could not read its part of step 13 from the peer tier" in outs[0], outs
 
 
+def test_other_shardings_than_saved_come_from_the_persistent_tier(tmp_path: Path) -> None:
+    """Parts hold each process's regions as saved: a restore into other shardings finds that
+    out on the first read (PartMismatchError), says so once, and takes the newest persistent
+    step, without striking each part as damaged and fetching replicas first."""
+    place, local = Place(str(tmp_path / "persistent")), tmp_path / "local"
+    run(place, local, "save", steps=12, replicas=1)
+    outs = run(place, local, "resume", replicas=1, reshard=1)
+    assert restored(outs) == 10
+    for out in outs:
+        assert out.count("do not hold the regions this restore reads") == 1, out
+        assert "could not read its part" not in out, out
+
+
 def kill_and_resume(
     place: Place, local: Path, rng: random.Random, count: int, replicas: int = 0
 ) -> None:
