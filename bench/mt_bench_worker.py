@@ -1,0 +1,159 @@
+"""One of N processes of bench_multitier.py: a local tier beside a persistent directory on S3.
+
+    python bench/mt_bench_worker.py SPEC PROCESS_ID NUM_PROCESSES PORT OUT
+
+A `jax.distributed` process on 127.0.0.1 (two CPU devices each, as tests/multihost/launcher.py
+runs them), against the moto server AWS_ENDPOINT_URL points at. SPEC is the driver's JSON: the
+phase, the persistent URLs, the local root, the state's shape (float32 leaves of rows x cols
+over an (N, 2) mesh, PartitionSpec("data", "model"): each process holds 1/N of it), replicas,
+and which process's local directory to wipe first. OUT gets this process's times.
+
+Phases:
+
+* ``save``: a persistent-only manager (``<url>/plain``) saves step 1 (t: ``save()`` returns, then
+  the commit); then a manager with ``local=LocalTier(..., replicas=R)`` (persistent
+  ``<url>/tiers``, EveryNSteps(2); local EveryNSteps(1)) saves step 1 (local only) and step 2
+  (both tiers, one snapshot), each followed by ``wait_until_finished()``. Each figure is this
+  process's; all processes start each one after a barrier.
+* ``restore``: after a barrier, t0; open the manager (``<url>/plain`` without a local tier for
+  ``source=persistent``, else ``<url>/tiers`` with the local tier, the local directory of process
+  ``wipe`` removed before the barrier) and ``restore()`` into the state's sharding; t1; every
+  value is checked against the saved one (not timed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax
+import numpy as np
+
+
+def main() -> None:
+    spec_path, pid, count, port, out = sys.argv[1:6]
+    spec = json.loads(Path(spec_path).read_text())
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=int(count),
+        process_id=int(pid),
+        initialization_timeout=120,
+    )
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cairn.manager import AtSteps, CheckpointManager, KeepLatest, LocalTier
+    from cairn.manager._core.multihost import Processes
+
+    procs = Processes.detect()
+    mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    rows, cols, leaves = spec["rows"], spec["cols"], spec["leaves"]
+
+    def leaf(k: int, step: int) -> Any:
+        return jax.make_array_from_callback(
+            (rows, cols),
+            sharding,
+            lambda idx: np.full((rows, cols), k + 1000 * step, np.float32)[idx],
+        )
+
+    def state(step: int) -> dict[str, Any]:
+        return {f"w{k}": leaf(k, step) for k in range(leaves)}
+
+    tier = LocalTier(
+        f"{spec['local']}/local-{{process}}",
+        save=AtSteps([1, 2, 11, 12]),
+        keep=KeepLatest(2),
+        replicas=spec["replicas"],
+    )
+    times: dict[str, float] = {}
+
+    def meet(name: str) -> None:
+        procs.barrier(f"bench/{name}", 600)
+
+    if spec["phase"] == "save":
+        st1, st2 = state(1), state(2)
+        for x in (*st1.values(), *st2.values()):
+            x.block_until_ready()
+        a = jax.device_put(np.ones((384, 384), np.float32), jax.local_devices()[0])
+        step_fn = jax.jit(lambda m: (m @ m) * (1.0 / 384))
+
+        def train(n: int) -> None:  # n steps of a stand-in training step, each waited for
+            for _ in range(n):
+                step_fn(a).block_until_ready()
+
+        train(20)
+        t0 = time.monotonic()
+        train(50)
+        steps = max(50, int(spec["train_s"] / ((time.monotonic() - t0) / 50)))
+        meet("baseline")
+        t0 = time.monotonic()
+        train(steps)
+        times["train_s"] = baseline = time.monotonic() - t0
+
+        def measure(mgr: Any, step: int, st: Any, name: str) -> None:
+            """The first save (`step`): its time to committed. The second (`step` + 10, its
+            staging memory ready, as in a long run): the time save() blocks, and the time
+            lost to training: save(), the training steps, the wait for its commit, less the
+            same steps without a save."""
+            force = name == "persistent"
+            meet(name)
+            t0 = time.monotonic()
+            assert mgr.save(step, {"state": st}, force=force)
+            mgr.wait_until_finished()
+            times[f"{name}_commit_s"] = time.monotonic() - t0
+            meet(f"{name}/train")
+            t0 = time.monotonic()
+            assert mgr.save(step + 10, {"state": st}, force=force)
+            times[f"{name}_blocked_s"] = time.monotonic() - t0
+            train(steps)
+            mgr.wait_until_finished()
+            times[f"{name}_lost_s"] = time.monotonic() - t0 - baseline
+
+        with CheckpointManager(f"{spec['url']}/plain", barrier_timeout=600) as mgr:
+            measure(mgr, 1, st1, "persistent")
+        with CheckpointManager(
+            f"{spec['url']}/tiers", save=AtSteps([2, 12]), local=tier, barrier_timeout=600
+        ) as mgr:
+            measure(mgr, 1, st1, "local")
+            measure(mgr, 2, st2, "both")
+    else:
+        if spec.get("wipe") == procs.index:
+            shutil.rmtree(f"{spec['local']}/local-{procs.index}", ignore_errors=True)
+        target = {
+            f"w{k}": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
+            for k in range(leaves)
+        }
+        meet("restore")
+        t0 = time.monotonic()
+        if spec["source"] == "persistent":
+            mgr = CheckpointManager(f"{spec['url']}/plain", barrier_timeout=600)
+        else:
+            mgr = CheckpointManager(
+                f"{spec['url']}/tiers", save=AtSteps([2, 12]), local=tier, barrier_timeout=600
+            )
+        got = mgr.restore(None, {"state": target})["state"]
+        for x in got.values():
+            x.block_until_ready()
+        times["restore_s"] = time.monotonic() - t0
+        step = 1 if spec["source"] == "persistent" else 2  # steps 11, 12 hold the same values
+        step = {11: 1, 12: 2}.get(mgr.latest_step(), step)
+        for k in range(leaves):
+            for shard in got[f"w{k}"].addressable_shards:
+                assert float(np.asarray(shard.data).ravel()[0]) == k + 1000 * step
+        mgr.close()
+    with open(out, "w") as f:
+        json.dump(times, f)
+    meet("end")
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
