@@ -371,8 +371,8 @@ class CheckpointManager:
                 self._local.finish(part, job)
                 return True
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
-            if self._superseded is not None:
-                self._commits.abandon(snapshots, slot=persistent)
+            if self._superseded is not None:  # (a local part being written keeps its copy)
+                self._commits.abandon(snapshots if part is None else {}, slot=persistent)
                 raise SupersededError(f"save: {self._superseded}")
             self._catalog.start(step)
             if self._commits.executor is None:

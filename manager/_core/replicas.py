@@ -50,7 +50,9 @@ def pack_part(manifest: Manifest, files: Sequence[tuple[str, str, bytes]]) -> by
     return b"".join([_HEADER.pack(len(header)), header, *(data for _, _, data in files)])
 
 
-def unpack_part(payload: bytes) -> tuple[dict[str, Any], list[tuple[str, str, memoryview]]]:
+def unpack_part(
+    payload: bytes | memoryview,
+) -> tuple[dict[str, Any], list[tuple[str, str, memoryview]]]:
     """The header and (item, path, bytes) of each file of a payload; CorruptCheckpointError if
     it does not hold together (its sizes, its JSON)."""
     view = memoryview(payload)
@@ -77,7 +79,7 @@ def unpack_part(payload: bytes) -> tuple[dict[str, Any], list[tuple[str, str, me
 
 def exchange(
     procs: Any, pairs: Sequence[tuple[int, int]], payload: bytes, sizes: Sequence[int]
-) -> bytes | None:
+) -> memoryview | None:
     """One round of transfers: each (source, destination) pair sends the source's `payload`
     (`sizes[p]` bytes on process p, known to all) to the destination, every process calling
     alike. Sources are distinct, and so are destinations. Returns what this process received,
@@ -88,20 +90,23 @@ def exchange(
     sending = {s for s, _ in pairs}
     largest = max((sizes[s] for s in sending), default=0)
     if largest == 0:
-        return b"" if any(d == me for _, d in pairs) else None
+        return memoryview(b"") if any(d == me for _, d in pairs) else None
     piece = min(PIECE_BYTES, -(-largest // 4096) * 4096)
     mesh, device = _mesh(count, me)
     step = _permute(mesh, pairs, piece)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
     source = next((s for s, d in pairs if d == me), None)
-    out = bytearray(sizes[source]) if source is not None else None
+    out = np.empty(sizes[source], np.uint8) if source is not None else None
     data = np.frombuffer(payload, np.uint8) if me in sending else np.empty(0, np.uint8)
     buffer = np.zeros(piece, np.uint8)
     for k in range(math.ceil(largest / piece)):
         chunk = data[k * piece : (k + 1) * piece]
-        buffer[: len(chunk)] = chunk
-        buffer[len(chunk) :] = 0
-        local = jax.device_put(buffer, device)
+        if len(chunk) == piece:  # sent as it is: device_put copies it
+            local = jax.device_put(chunk, device)
+        else:
+            buffer[: len(chunk)] = chunk
+            buffer[len(chunk) :] = 0
+            local = jax.device_put(buffer, device)
         whole = jax.make_array_from_single_device_arrays((count * piece,), sharding, [local])
         got = step(whole)
         got.block_until_ready()  # one piece at a time: undrained dispatches pile up
@@ -109,8 +114,8 @@ def exchange(
             start = k * piece
             end = min(len(out), start + piece)
             if end > start:
-                out[start:end] = np.asarray(got.addressable_data(0))[: end - start].tobytes()
-    return bytes(out) if out is not None else None
+                out[start:end] = np.asarray(got.addressable_data(0))[: end - start]
+    return out.data if out is not None else None
 
 
 @functools.cache

@@ -332,7 +332,7 @@ class Local:
             files += [(item, f.path, stored.read_bytes(f.path)) for f in entry.files]
         return replicas.pack_part(manifest, files)
 
-    def _received(self, owner: int, payload: bytes) -> _commit.SaveJob:
+    def _received(self, owner: int, payload: memoryview) -> _commit.SaveJob:
         """The job that commits a part of `owner` received from another process; what its
         header says is checked against the part's own record first."""
         header, files = replicas.unpack_part(payload)
