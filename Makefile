@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-first-save bench-incremental orbax-suite lint clean
+.PHONY: install test quick soak lower-bounds demo bench bench-overhead bench-first-save bench-incremental bench-multitier orbax-suite lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -77,6 +77,10 @@ bench-overhead: install
 # A job's first save (a new manager's, after restore()) against the steady state and Orbax (~5 min).
 bench-first-save: install
 	$(BIN)/python bench/bench_first_save.py
+
+# A local tier beside S3 (moto), 2 jax.distributed processes, 1 GiB: about 15 minutes.
+bench-multitier: install
+	$(BIN)/python bench/bench_multitier.py
 
 bench-incremental: install
 	$(BIN)/python bench/bench_incremental.py

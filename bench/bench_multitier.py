@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_multitier.py               # the full run: 1 GiB, 3 rounds
     .venv/bin/python bench/bench_multitier.py --quick       # a smoke run: 64 MiB, 1 round (*.tmp)
 
-Starts moto's S3 server on 127.0.0.1 (bench_objectstore.start_moto: objects in memory, on the
-same cores as everything else) and launches 2 real `jax.distributed` processes on 127.0.0.1 per
+Starts moto's S3 server on 127.0.0.1 for each round (bench_objectstore.start_moto: objects in
+memory, on the same cores as everything else) and launches 2 real `jax.distributed` processes on 127.0.0.1 per
 phase (bench/mt_bench_worker.py, two CPU devices each). The state: `--size` bytes of float32
 leaves of 4096 x 1024 (16 MiB) over a (2, 2) mesh, PartitionSpec("data", "model"), so each
 process holds half. Local directories live under bench/results/tmp (this machine's disk).
@@ -250,21 +250,24 @@ def main() -> None:
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--train-s", type=float, default=20.0, help="training after each save")
+    parser.add_argument("--train-s", type=float, default=12.0, help="training after each save")
     args = parser.parse_args()
     size = parse_size("64MiB" if args.quick else args.size)
     rounds_n = 1 if args.quick else args.rounds
     SCRATCH.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="multitier-", dir=SCRATCH))
-    server, endpoint = start_moto(workdir)
+    rounds = []
     try:
-        rounds = []
-        for k in range(rounds_n):
+        for k in range(rounds_n):  # a moto server per round: it keeps every object in memory
             t0 = time.monotonic()
-            rounds.append(one_round(endpoint, size, workdir, 3.0 if args.quick else args.train_s))
+            server, endpoint = start_moto(Path(tempfile.mkdtemp(prefix="moto-", dir=workdir)))
+            try:
+                train_s = 3.0 if args.quick else args.train_s
+                rounds.append(one_round(endpoint, size, workdir, train_s))
+            finally:
+                stop(server)
             print(f"round {k + 1}/{rounds_n} in {time.monotonic() - t0:.0f} s", flush=True)
     finally:
-        stop(server)
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarise(rounds)
     summary["size_label"] = f"{size / MiB:.0f} MiB"
