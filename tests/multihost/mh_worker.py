@@ -256,7 +256,8 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_WIPE, if set, then restores and checks every value, and saves one more step.
     CAIRN_TEST_REPLICAS: the local tier's replicas= (0 by default); CAIRN_TEST_CORRUPT_REPLICA:
     the other processes flip a byte in their newest replica of the wiped process's part;
-    CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with."""
+    CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with;
+    CAIRN_TEST_ASYNC=0: async_save=False."""
     import shutil
     from pathlib import Path
 
@@ -294,7 +295,12 @@ def local_tier(procs: Any, directory: str) -> None:
             replicas=int(env.get("CAIRN_TEST_REPLICAS", "0")),
         )
         return CheckpointManager(
-            directory, save=EveryNSteps(5), keep=KeepLatest(2), local=tier, barrier_timeout=30
+            directory,
+            save=EveryNSteps(5),
+            keep=KeepLatest(2),
+            local=tier,
+            barrier_timeout=30,
+            async_save=env.get("CAIRN_TEST_ASYNC", "1") == "1",
         )
 
     if env["CAIRN_TEST_PHASE"] == "save":

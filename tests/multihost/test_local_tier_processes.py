@@ -20,7 +20,7 @@ from launcher import launch
 def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> list[str]:
     """Launch a phase of the local-tier scenario; the output of each process."""
     settings = {"CAIRN_TEST_LOCAL": str(local), "CAIRN_TEST_PHASE": phase}
-    settings.update({f"CAIRN_TEST_{k.upper()}": str(v) for k, v in env.items()})
+    settings.update({f"CAIRN_TEST_{k.upper().rstrip('_')}": str(v) for k, v in env.items()})
     results = launch("local", place.directory, count=count, timeout=300, env=settings)
     killed = env.get("victim")
     for i, r in enumerate(results):
@@ -87,6 +87,17 @@ def test_a_lost_local_directory_is_served_by_a_peer_replica(
     assert "corrupted checkpoint_13" in outs[1], outs
     assert restored(outs) == 13
     assert "process 0 could not read its part of step 13 from the peer tier" in outs[0], outs
+
+
+def test_synchronous_saves_send_replicas_of_steps_both_tiers_save(tmp_path: Path) -> None:
+    """async_save=False: step 10, which both tiers save, gets its replicas too (save() once
+    returned before sending them)."""
+    place, local = Place(str(tmp_path / "persistent")), tmp_path / "local"
+    for out in run(place, local, "save", steps=12, replicas=1, async_=0):
+        assert "steps [5, 10] [10, 12]" in out, out
+    for holder, owner in ((0, 1), (1, 0)):
+        held = sorted(p.name for p in (local / f"local-{holder}" / f"process_{owner}").iterdir())
+        assert held == [".cairn.lock", "checkpoint_10", "checkpoint_12"], (holder, held)
 
 
 def test_other_shardings_than_saved_come_from_the_persistent_tier(tmp_path: Path) -> None:
