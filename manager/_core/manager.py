@@ -36,10 +36,9 @@ from cairn.manager._core.options import Options
 from cairn.manager._core.policies import (
     KeepPolicy,
     LastSave,
-    SaveContext,
     SavePolicy,
-    checked_should_save,
     find_on_preemption,
+    policy_wants,
     uses_time,
 )
 from cairn.manager._core.preemption import PreemptionWatch
@@ -260,24 +259,20 @@ class CheckpointManager:
         known = self._catalog.known()
         if force:
             return True, local
-        if step in known or (known and step <= max(known)):
-            return False, local
-        preempted = self._preemption is not None and self._preemption.reached(step)
-        if preempted:
-            self._preemption_asked = step  # reached_preemption(step) may now say stop
-        now = time.time()
-        context = SaveContext(
-            latest_step=max(known) if known else None,
-            last_save_time=self._last_save.time(now),
-            now=now,
-            preempted=preempted,
-        )
-        policy = self._options.save
-        if not uses_time(policy):
-            return checked_should_save(policy, step, context), local
-        # Clocks differ between hosts: the primary decides, everyone follows.
+
+        def preempted() -> bool:
+            reached = self._preemption is not None and self._preemption.reached(step)
+            if reached:
+                self._preemption_asked = step  # reached_preemption(step) may now say stop
+            return reached
+
+        # Clocks differ between hosts: a time policy is the primary's, for everyone.
         decide = self._together.decide
-        return decide("should_save", lambda: checked_should_save(policy, step, context)), local
+        policy = self._options.save
+        wants = policy_wants(
+            policy, step, known, self._last_save, decide, "should_save", preempted=preempted
+        )
+        return wants, local
 
     def save(
         self,

@@ -20,7 +20,7 @@ import math
 import numbers
 import reprlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -448,3 +448,30 @@ def uses_time(policy: Any) -> bool:
     if isinstance(policy, AnyOf):
         return any(uses_time(p) for p in policy.policies)
     return not isinstance(policy, (EveryNSteps, AtSteps))
+
+
+def policy_wants(
+    policy: SavePolicy,
+    step: int,
+    known: set[int],
+    last_save: LastSave,
+    decide: Callable[[str, Callable[[], bool]], bool],
+    what: str,
+    *,
+    preempted: Callable[[], bool] = lambda: False,
+) -> bool:
+    """A tier's save decision: False at or below its newest `known` step, else its `policy`
+    asked with that context (`preempted()` asked only then); a policy that reads the clock is
+    answered by `decide` (the primary decides for every process, clocks differ)."""
+    if step in known or (known and step <= max(known)):
+        return False
+    now = time.time()
+    context = SaveContext(
+        latest_step=max(known) if known else None,
+        last_save_time=last_save.time(now),
+        now=now,
+        preempted=preempted(),
+    )
+    if not uses_time(policy):
+        return checked_should_save(policy, step, context)
+    return decide(what, lambda: checked_should_save(policy, step, context))

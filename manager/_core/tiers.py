@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -33,12 +32,10 @@ from cairn.manager._core.policies import (
     KeepLatest,
     KeepPolicy,
     LastSave,
-    SaveContext,
     SavePolicy,
-    checked_should_save,
     find_on_preemption,
     policy_kind,
-    uses_time,
+    policy_wants,
 )
 from cairn.manager._core.replicas import holders
 from cairn.manager._format import PART, Manifest
@@ -245,21 +242,11 @@ class Local:
         """Whether the local tier's policy wants `step` (`force`: yes), False at or below its
         newest step; the same answer on every process (a time policy: the primary's)."""
         known = self.agreed | self.handed
-        if step in known or (known and step <= max(known)):
-            return False
         if force:
-            return True
-        now = time.time()
-        context = SaveContext(
-            latest_step=max(known) if known else None,
-            last_save_time=self._last_save.time(now),
-            now=now,
-        )
-        policy = self.tier.save
-        if not uses_time(policy):
-            return checked_should_save(policy, step, context)
-        return self._together.decide(
-            "local/should_save", lambda: checked_should_save(policy, step, context)
+            return not (step in known or (known and step <= max(known)))
+        decide = self._together.decide
+        return policy_wants(
+            self.tier.save, step, known, self._last_save, decide, "local/should_save"
         )
 
     def save(self, job: _commit.SaveJob, entered: float, *, persistent: bool) -> _commit.SaveJob:
@@ -456,8 +443,6 @@ class Local:
                         raise CorruptCheckpointError(
                             f"step {step}: the process holding this process's part could not send it"
                         )
-                    if step in self.inner.all_steps():
-                        self.inner.delete(step)
                     _commit_part(self.inner, self._received(me, got), now=True)
                 except Exception as e:
                     error = e
