@@ -271,6 +271,10 @@ def test_info_says_which_tier_holds_a_step(tmp_path: Path) -> None:
         assert mgr.info(9).metadata[PART]["process"] == 0
         with pytest.raises(StepNotFoundError):
             mgr.info(8)
+        for call in (mgr.metrics, mgr.verify, mgr.describe, mgr.delete):  # persistent only
+            with pytest.raises(StepNotFoundError):
+                call(9)
+        assert mgr.all_steps("local") == [6, 9]  # nothing deleted
         with pytest.raises(ValueError, match="tier must be"):
             mgr.all_steps("bucket")  # type: ignore[arg-type]
     with CheckpointManager(tmp_path / "persistent") as plain:
