@@ -13,6 +13,7 @@ docs/design/multitier-research.md section 4).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -32,9 +33,70 @@ PIECE_BYTES = 64 << 20  # sent per collective call: bounds the device memory a t
 _HEADER = struct.Struct("<Q")
 
 
-def holders(owner: int, count: int, replicas: int) -> list[int]:
-    """The processes that hold `owner`'s part besides itself: the next `replicas` ones."""
-    return [(owner + k) % count for k in range(1, replicas + 1)]
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Who holds whose part: the processes in an order that alternates their failure domains,
+    each part held by the processes that follow its owner in that order (the k-th holder k
+    places on). Built from every process's domain (`Ring.of`), the same on every process.
+
+    Round k of a transfer sends every part to its k-th holder: a permutation, so each process
+    sends one part and receives one. With D domains of equal size, the first D - 1 holders of
+    a part are each in another domain than its owner (and than each other)."""
+
+    order: tuple[int, ...]
+
+    @classmethod
+    def of(cls, domains: Sequence[Sequence[str]]) -> Ring:
+        """The ring of processes 0..n-1 whose failure domains are `domains[p]`, outermost first
+        (e.g. (slice, host)): the processes of each outer domain, ordered alike by the inner
+        ones, taken in turn from each outer domain. A domain's name does not change the ring,
+        only who shares it: domains are ordered by their lowest process index, so a replaced
+        host with a new name but the same processes keeps the ring."""
+        return cls(tuple(_alternate(list(range(len(domains))), domains, 0)))
+
+    def holder(self, owner: int, k: int) -> int:
+        """The process that holds `owner`'s part as its k-th holder (k >= 1)."""
+        at = self.order.index(owner)
+        return self.order[(at + k) % len(self.order)]
+
+    def owner(self, holder: int, k: int) -> int:
+        """The process whose part `holder` holds as its k-th holder."""
+        at = self.order.index(holder)
+        return self.order[(at - k) % len(self.order)]
+
+    def sharing(self, domains: Sequence[Sequence[str]], replicas: int) -> int:
+        """How many of the parts' `replicas` holders share their owner's outermost domain that
+        tells any two processes apart (none tell them apart: 0)."""
+        level = next(
+            (
+                i
+                for i in range(len(domains[0]) if domains else 0)
+                if len({d[i] for d in domains}) > 1
+            ),
+            None,
+        )
+        if level is None:
+            return 0
+        return sum(
+            domains[self.holder(p, k)][level] == domains[p][level]
+            for p in self.order
+            for k in range(1, replicas + 1)
+        )
+
+
+def _alternate(procs: list[int], domains: Sequence[Sequence[str]], level: int) -> list[int]:
+    """`procs` in turn from each of their domains at `level` (each group ordered by the next
+    levels), groups ordered by their lowest process index."""
+    if len(procs) <= 1 or not domains or level >= len(domains[procs[0]]):
+        return sorted(procs)
+    groups: dict[str, list[int]] = {}
+    for p in sorted(procs):
+        groups.setdefault(domains[p][level], []).append(p)
+    ordered = [_alternate(g, domains, level + 1) for g in groups.values()]
+    out: list[int] = []
+    for i in range(max(len(g) for g in ordered)):
+        out += [g[i] for g in ordered if i < len(g)]
+    return out
 
 
 def pack_part(manifest: Manifest, files: Sequence[tuple[str, str, bytes]]) -> bytes:

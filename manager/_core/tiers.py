@@ -18,6 +18,8 @@ import hashlib
 import json
 import logging
 import os
+import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -37,7 +39,7 @@ from cairn.manager._core.policies import (
     policy_kind,
     policy_wants,
 )
-from cairn.manager._core.replicas import holders
+from cairn.manager._core.replicas import Ring
 from cairn.manager._format import PART, Manifest
 from cairn.manager._storage.base import check_directory
 
@@ -59,10 +61,12 @@ class LocalTier:
     one host, or a test). `save`: the local tier's save policy (no `OnPreemption`: that save
     belongs to the persistent tier, which survives the host). `keep`: its retention, applied to
     each process's parts and to the replicas it holds (the newest step is always kept).
-    `replicas`: how many other processes also hold each process's part (the next ones by
-    process index), sent to them by save() over JAX's collectives; with 0, a process whose
-    local directory is lost gets its part from the persistent tier. `storage_options`: as the
-    manager's, for the local directory.
+    `replicas`: how many other processes also hold each process's part, sent to them by save()
+    over JAX's collectives; with 0, a process whose local directory is lost gets its part from
+    the persistent tier. Holders are chosen in other failure domains than the owner where the
+    processes tell any apart: `failure_domain` (this process's rack, zone, ...; give it on every
+    process or on none), then the TPU slice, then the host (`replicas.Ring`).
+    `storage_options`: as the manager's, for the local directory.
 
     Layout: process p keeps its own parts in ``<directory>/process_<p>`` and the replicas it
     holds of process q's in ``<directory>/process_<q>``, each an ordinary cairn directory."""
@@ -72,6 +76,7 @@ class LocalTier:
     save: SavePolicy
     keep: KeepPolicy = _KEEP_TWO
     replicas: int = 0
+    failure_domain: str | None = None
     storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +100,13 @@ class LocalTier:
             raise TypeError(f"LocalTier replicas= must be an int >= 0, got {self.replicas!r}")
         if self.replicas < 0:
             raise ValueError(f"LocalTier replicas= must be >= 0, got {self.replicas}")
+        if self.failure_domain is not None and not (
+            isinstance(self.failure_domain, str) and self.failure_domain.strip()
+        ):
+            raise TypeError(
+                "LocalTier failure_domain= must be a non-empty string (this process's rack, "
+                f"zone, ...) or None, got {self.failure_domain!r}"
+            )
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(
                 f"LocalTier storage_options= must be a mapping, got {self.storage_options!r}"
@@ -119,8 +131,10 @@ class Local:
     `Coordinator`, and the replica transfers are JAX collectives, made there too); each
     manager's commit thread writes and commits its parts, then applies its retention."""
 
-    def __init__(self, tier: LocalTier, managers: dict[int, Any], together: Coordinator) -> None:
-        self.tier, self._together = tier, together
+    def __init__(
+        self, tier: LocalTier, managers: dict[int, Any], together: Coordinator, ring: Ring
+    ) -> None:
+        self.tier, self._together, self.ring = tier, together, ring
         self.procs = together.procs
         self.managers = managers  # by owner: this process's own first
         self.inner = managers[self.procs.index]
@@ -139,8 +153,9 @@ class Local:
     ) -> Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
+        ring = _ring(tier, together, options.barrier_timeout)
         # the owners whose parts this process holds: it is their k-th holder
-        owners = [me] + [(me - k) % count for k in range(1, min(tier.replicas, count - 1) + 1)]
+        owners = [me] + [ring.owner(me, k) for k in range(1, min(tier.replicas, count - 1) + 1)]
         managers: dict[int, Any] = {}
         try:
             with alone():
@@ -158,7 +173,7 @@ class Local:
                         storage_options=tier.storage_options,
                         zero_copy=True,  # it stages nothing: the persistent manager's snapshot feeds it
                     )
-            return cls(tier, managers, together)
+            return cls(tier, managers, together, ring)
         except BaseException:
             for manager in managers.values():
                 _close_quietly(manager)
@@ -189,17 +204,7 @@ class Local:
 
     def _gather(self, what: str, mine: str) -> list[str]:
         """Every process's `mine`, in process order, on the primary ([] elsewhere)."""
-        procs = self.procs
-        if procs.count == 1:
-            return [mine]
-        key = self._together.collective(what)
-        procs.report(key, mine)
-        procs.barrier(key, self._timeout)
-        got = procs.reports(key) if procs.primary else []
-        procs.barrier(f"{key}/read", self._timeout)
-        if procs.primary:
-            procs.forget(key)
-        return got
+        return _gather(self._together, what, mine, self._timeout, everyone=False)
 
     def _share(self, what: str, value: Callable[[], Any]) -> Any:
         """The primary's `value()` (JSON) on every process."""
@@ -213,8 +218,7 @@ class Local:
 
     def _share_all(self, what: str, mine: str) -> list[str]:
         """Every process's `mine`, on every process."""
-        gathered = self._gather(what, mine)
-        return list(self._share(f"{what}/all", lambda: gathered))
+        return _gather(self._together, what, mine, self._timeout, everyone=True)
 
     def _agree(self) -> None:
         """The steps every process can get its part of from the local tier (a collective)."""
@@ -298,9 +302,9 @@ class Local:
                 log.error("cairn: step %d: this process's part cannot be sent: %r", step, e)
         sizes = [int(n) for n in self._share_all("local/sizes", str(len(payload)))]
         for k in range(1, self.replicas + 1):
-            pairs = [(p, holders(p, count, k)[-1]) for p in range(count) if sizes[p]]
+            pairs = [(p, self.ring.holder(p, k)) for p in range(count) if sizes[p]]
             got = replicas.exchange(self.procs, pairs, payload, sizes)
-            owner = (me - k) % count
+            owner = self.ring.owner(me, k)
             if got:
                 try:
                     _commit_part(self.managers[owner], self._received(owner, got), now=False)
@@ -524,6 +528,60 @@ class NoLocal:
 
     def close(self) -> None:
         pass
+
+
+def domains_of(tier: LocalTier) -> list[str]:
+    """This process's failure domains, outermost first: `tier.failure_domain` if given, then
+    its devices' slice (TPU multislice), then its host."""
+    found = [tier.failure_domain] if tier.failure_domain is not None else []
+    jax = sys.modules.get("jax")
+    slices = {getattr(d, "slice_index", None) for d in jax.local_devices()} if jax else set()
+    if slices - {None}:
+        found.append(f"slice {min(s for s in slices if s is not None)}")
+    return [*found, f"host {socket.gethostname()}"]
+
+
+def _ring(tier: LocalTier, together: Coordinator, timeout: float) -> Ring:
+    """Every process's failure domains, gathered, as the ring of holders (`Ring.of`)."""
+    procs, mine = together.procs, json.dumps(domains_of(tier))
+    if procs.count == 1 or not tier.replicas:
+        return Ring(tuple(range(procs.count)))
+    got = _gather(together, "local/domains", mine, timeout, everyone=True)
+    domains = [json.loads(d) for d in got]
+    if any(len(d) != len(domains[0]) for d in domains):
+        raise ValueError(
+            "LocalTier failure_domain= is given on some processes and not on others: "
+            + ", ".join(f"process {p}: {d}" for p, d in enumerate(domains))
+        )
+    ring, replicas = Ring.of(domains), min(tier.replicas, procs.count - 1)
+    shared = ring.sharing(domains, replicas)
+    if shared:
+        log.warning(
+            "cairn: %d of the %d replicas of the local tier's parts share their owner's failure "
+            "domain (domains by process: %s)",
+            shared,
+            replicas * procs.count,
+            domains,
+        )
+    return ring
+
+
+def _gather(
+    together: Coordinator, what: str, mine: str, timeout: float, *, everyone: bool
+) -> list[str]:
+    """Every process's `mine`, in process order: on every process (`everyone`), else on the
+    primary ([] elsewhere). A collective call."""
+    procs = together.procs
+    if procs.count == 1:
+        return [mine]
+    key = together.collective(what)
+    procs.report(key, mine)
+    procs.barrier(key, timeout)
+    got = procs.reports(key) if everyone or procs.primary else []
+    procs.barrier(f"{key}/read", timeout)
+    if procs.primary:
+        procs.forget(key)
+    return got
 
 
 def _replicas(tier: LocalTier, count: int) -> int:

@@ -257,6 +257,8 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_REPLICAS: the local tier's replicas= (0 by default); CAIRN_TEST_CORRUPT_REPLICA:
     the other processes flip a byte in their newest replica of the wiped process's part;
     CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with;
+    CAIRN_TEST_DOMAINS: each process's failure_domain=, comma-separated (CAIRN_TEST_WIPE may
+    name several processes, comma-separated, too);
     CAIRN_TEST_ASYNC=0: async_save=False."""
     import shutil
     from pathlib import Path
@@ -287,12 +289,15 @@ def local_tier(procs: Any, directory: str) -> None:
     def position(step: int) -> int:
         return 7 * procs.index + step
 
+    domains = env.get("CAIRN_TEST_DOMAINS", "").split(",") if env.get("CAIRN_TEST_DOMAINS") else []
+
     def manager() -> Any:
         tier = LocalTier(
             f"{local_root}/local-{{process}}",
             save=EveryNSteps(2),
             keep=KeepLatest(2),
             replicas=int(env.get("CAIRN_TEST_REPLICAS", "0")),
+            failure_domain=domains[procs.index] if domains else None,
         )
         return CheckpointManager(
             directory,
@@ -318,9 +323,10 @@ def local_tier(procs: Any, directory: str) -> None:
             print(f"steps {mgr.all_steps('persistent')} {mgr.all_steps('local')}", flush=True)
         return
     wipe = env.get("CAIRN_TEST_WIPE")
-    if wipe is not None and int(wipe) == procs.index:
+    wiped = [int(w) for w in wipe.split(",")] if wipe is not None else []
+    if procs.index in wiped:
         shutil.rmtree(f"{local_root}/local-{procs.index}", ignore_errors=True)
-    if wipe is not None and env.get("CAIRN_TEST_CORRUPT_REPLICA") and int(wipe) != procs.index:
+    if wipe is not None and env.get("CAIRN_TEST_CORRUPT_REPLICA") and procs.index not in wiped:
         held = sorted(Path(f"{local_root}/local-{procs.index}/process_{wipe}").glob("check*"))
         if held:  # a flipped byte in a pack of the newest replica of the wiped process's part
             pack = next((held[-1] / "state" / "packs").glob("0.*"))

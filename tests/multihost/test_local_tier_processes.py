@@ -89,6 +89,30 @@ def test_a_lost_local_directory_is_served_by_a_peer_replica(
     assert "process 0 could not read its part of step 13 from the peer tier" in outs[0], outs
 
 
+def test_replicas_go_to_another_failure_domain(tmp_path: Path) -> None:
+    """Four processes on two racks (failure_domain= a, a, b, b), replicas=1: each part's replica
+    is held on the other rack (the ring 0 -> 2 -> 1 -> 3), not by the next process. Both
+    processes of rack a wiped: step 12, newer than any persistent step, still comes back on all
+    four, from rack b's replicas. Without domains (all on one host) the ring is the process
+    order, 0's replica is on 1, and the same loss goes back to step 10."""
+    place, local = Place(str(tmp_path / "persistent")), tmp_path / "local"
+    run(place, local, "save", count=4, steps=12, replicas=1, domains="a,a,b,b")
+    held = {
+        (holder, int(d.name.split("_")[1]))
+        for holder in range(4)
+        for d in (local / f"local-{holder}").glob("process_*")
+    }
+    assert held == {(p, p) for p in range(4)} | {(2, 0), (1, 2), (3, 1), (0, 3)}
+    outs = run(place, local, "resume", count=4, replicas=1, domains="a,a,b,b", wipe="0,1")
+    assert restored(outs) == 12
+    for out in outs:
+        assert "share their owner's failure domain" not in out, out
+    # The same loss without domains (one host): process 1 held 0's replica; step 10 it is.
+    place, local = Place(str(tmp_path / "persistent-2")), tmp_path / "local-2"
+    run(place, local, "save", count=4, steps=12, replicas=1)
+    assert restored(run(place, local, "resume", count=4, replicas=1, wipe="0,1")) == 10
+
+
 def test_synchronous_saves_send_replicas_of_steps_both_tiers_save(tmp_path: Path) -> None:
     """async_save=False: step 10, which both tiers save, gets its replicas too (save() once
     returned before sending them)."""
