@@ -26,7 +26,10 @@ Per round, in fresh buckets and directories:
    wiped: it reads S3, process 0 its own part).
 
 The machine's limits, in the same run: a plain memcpy and a plain write+fsync of one process's
-half of the state (to the disk of the local directories).
+half of the state (to the disk of the local directories); for the replicas: a plain jitted
+ppermute of that half, already on the device, to the other process (the fastest a part moves
+here), and the training time lost while a background thread sends it to the other process over
+a plain socket (the least any background replication could cost here).
 
 Results: bench/results/multitier.json; plot: docs/benchmarks_multitier.png.
 """
@@ -160,6 +163,14 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "recovery_mixed": spread(
             [r["restore_persistent_s"] / r["restore_mixed_s"] for r in rounds], 2
         ),
+        # the best this machine allows: persistent ÷ moving one part, device to device alone;
+        # a plain background socket transfer of one part beside training ÷ a persistent save
+        "recovery_bound": spread(
+            [r["restore_persistent_s"] / r["r1_limit_permute_s"] for r in rounds], 2
+        ),
+        "lost_r1_bound": spread(
+            [r["r1_limit_socket_lost_s"] / r["r1_persistent_lost_s"] for r in rounds], 2
+        ),
         **{
             f"{what}_r{r}": spread(
                 [x[f"r{r}_local_{what}_s"] / x[f"r{r}_persistent_{what}_s"] for x in rounds], 2
@@ -202,9 +213,14 @@ def table(summary: dict[str, Any]) -> str:
         r = ratios[ratio] if ratio else None
         rcell = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" if r else "1"
         lines.append(f"| {label} | {cell(f'restore_{name}_s')} | {rcell} |")
+    bound = {k: ratios[k] for k in ("recovery_bound", "lost_r1_bound")}
     lines += [
         "",
-        f"Machine limits for one process's half: memcpy {cell('memcpy_s')}, write+fsync {cell('write_fsync_s')}.",
+        f"Machine limits for one process's half: memcpy {cell('memcpy_s')}, write+fsync {cell('write_fsync_s')}; "
+        f"moved to the other process by a plain ppermute, already on the device, {cell('r1_limit_permute_s')} "
+        f"(persistent restart ÷ this: {bound['recovery_bound']['median']:.2f}x, the most a peer restore could gain here); "
+        f"training time lost to a plain background socket transfer of it {cell('r1_limit_socket_lost_s')} "
+        f"(÷ a persistent save's: {bound['lost_r1_bound']['median']:.2f}, the least replicas=1 could cost here).",
     ]
     return "\n".join(lines)
 

@@ -124,6 +124,9 @@ def main() -> None:
         ) as mgr:
             measure(mgr, 1, st1, "local")
             measure(mgr, 2, st2, "both")
+        if spec["replicas"]:
+            part = rows * cols * 4 * leaves // procs.count
+            times |= transfer_limits(procs, part, meet, lambda: train(steps), baseline)
     else:
         if spec.get("wipe") == procs.index:
             shutil.rmtree(f"{spec['local']}/local-{procs.index}", ignore_errors=True)
@@ -153,6 +156,79 @@ def main() -> None:
         json.dump(times, f)
     meet("end")
     jax.distributed.shutdown()
+
+
+def transfer_limits(
+    procs: Any, nbytes: int, meet: Any, train: Any, baseline: float
+) -> dict[str, float]:
+    """The machine's limits for moving one process's part to another: `permute_s`, a plain
+    jitted ppermute of `nbytes` already on the device (JAX's collectives, no host copy, no
+    file), each process sending to the next; `socket_lost_s`, the training time lost while a
+    background thread sends `nbytes` from memory to the next process over a plain socket
+    (multiprocessing.connection), and receives the previous one's."""
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    count, me = procs.count, procs.index
+    first = [
+        min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        for p in range(count)
+    ]
+    mesh = Mesh(np.array(first), ("p",))
+    piece = 64 << 20
+    ring = [(p, (p + 1) % count) for p in range(count)]
+    send = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.ppermute(x, "p", ring), mesh=mesh, in_specs=P("p"), out_specs=P("p")
+        )
+    )
+    sharding = NamedSharding(mesh, P("p"))
+    pieces = [
+        jax.make_array_from_single_device_arrays(
+            (count * piece,),
+            sharding,
+            [jax.device_put(np.full(piece, k % 251, np.uint8), first[me])],
+        )
+        for k in range(-(-nbytes // piece))
+    ]
+    send(pieces[0]).block_until_ready()  # compiled
+    meet("limit/permute")
+    t0 = time.monotonic()
+    for x in pieces:
+        send(x).block_until_ready()
+    times = {"limit_permute_s": time.monotonic() - t0}
+    del pieces
+
+    data, got = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    listener = Listener(("127.0.0.1", 0), authkey=b"bench")
+    procs.report("bench/limit/port", str(listener.address[1]))
+    meet("limit/ports")
+    ports = [int(p) for p in procs.reports("bench/limit/port")]
+
+    def receive() -> None:
+        with listener.accept() as conn:
+            for at in range(0, nbytes, piece):
+                conn.recv_bytes_into(memoryview(got)[at:])
+
+    def transmit() -> None:
+        with Client(("127.0.0.1", ports[(me + 1) % count]), authkey=b"bench") as conn:
+            for at in range(0, nbytes, piece):
+                conn.send_bytes(memoryview(data)[at : at + piece])
+
+    meet("limit/socket")
+    threads = [threading.Thread(target=receive), threading.Thread(target=transmit)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    train()
+    for t in threads:
+        t.join()
+    times["limit_socket_lost_s"] = time.monotonic() - t0 - baseline
+    listener.close()
+    return times
 
 
 if __name__ == "__main__":

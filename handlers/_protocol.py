@@ -32,7 +32,8 @@ class Snapshot(Protocol):
       `write` may start meanwhile and must itself wait for what it reads. Without `settle`, the
       snapshot is complete when `snapshot` returns.
     - ``release()``: give back what the snapshot holds (the train state's staging memory) once
-      a writer process is done with it, or when the save never reached one.
+      a writer process is done with it, or when the save never reached one; after
+      ``share(writes)``, each call counts as one of the writes, and the last one gives it back.
     - ``version``: which of its handler's versions the snapshot writes (the train state's
       layout), stored in the manifest instead of the handler's `version`.
     - ``share(writes)`` (through `share_snapshot`): `write` will be called `writes` times,

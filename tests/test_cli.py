@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ import pytest
 from support.iterutil import Shuffled
 
 from cairn.handlers import JsonHandler
-from cairn.manager import CheckpointManager, KeepBest
-from cairn.manager._format import dump_checked, load_checked
+from cairn.manager import CheckpointManager, EveryNSteps, KeepBest, KeepLatest, LocalTier
+from cairn.manager._format import PART, dump_checked, load_checked
 from cairn.manager._surfaces.cli import main
 
 CAIRN = str(Path(sys.executable).with_name("cairn"))
@@ -753,3 +754,132 @@ def test_a_users_metadata_does_not_make_a_cairn_step_an_orbax_one(
         capsys, "gc", str(tmp_path), "--step-prefix", "", "--keep-latest", "1", "--dry-run"
     )
     assert code == 0 and "would delete step 0" in out.lower()
+
+
+# ---------------------------------------------------------------------------- a local tier
+
+LS_COLUMNS = ["committed", "size", "metrics", "items", "status"]
+
+
+def local_run(root: Path) -> None:
+    """A persistent step every 5, a local part every 2 (two kept): parts 8 and 10, the save of
+    10 in both tiers."""
+    local = LocalTier(root / "local-{process}", save=EveryNSteps(2), keep=KeepLatest(2))
+    with CheckpointManager(root / "ckpts", save=EveryNSteps(5), local=local) as mgr:
+        for step in range(1, 11):
+            if mgr.should_save(step):
+                mgr.save(step, {"state": {"w": np.arange(3) * step}}, metrics={"loss": 1 / step})
+
+
+def records(directory: Path) -> dict[int, dict[str, Any]]:
+    with CheckpointManager(directory, read_only=True) as mgr:
+        return {step: mgr.info(step).metadata[PART] for step in mgr.all_steps()}
+
+
+def test_ls_of_a_local_tier_shows_whose_part_each_step_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ls` of a local tier's directory lists the parts in its process_<p> directories (owner,
+    own, the save, whether it went to the persistent tier too); of one process_<p> directory,
+    the same columns but `held`; of the persistent directory, no part columns."""
+    local_run(tmp_path)
+    local, part = tmp_path / "local-0", tmp_path / "local-0" / "process_0"
+    recorded = records(part)
+    assert [(r["process"], r["persistent"]) for r in recorded.values()] == [(0, False), (0, True)]
+    save8, save10 = recorded[8]["save"][:8], recorded[10]["save"][:8]
+    code, out, err = run_cli(capsys, "ls", str(local))
+    assert code == 0 and err == ""  # no step-like hint about process_0 (it was named one)
+    lines = [line.split("\t") for line in out.splitlines()]
+    assert lines[0] == ["step", "process", "held", "save", "persistent", *LS_COLUMNS]
+    assert [row[:5] for row in lines[1:]] == [
+        ["8", "0", "own", save8, "no"],
+        ["10", "0", "own", save10, "yes"],
+    ]
+    assert [(row[7], row[-1]) for row in lines[1:]] == [
+        ("loss=0.125", "listed"),
+        ("loss=0.1", "listed"),
+    ]
+    code, out, err = run_cli(capsys, "ls", str(part))
+    lines = [line.split("\t") for line in out.splitlines()]
+    assert code == 0 and lines[0] == ["step", "process", "save", "persistent", *LS_COLUMNS]
+    assert [row[:4] for row in lines[1:]] == [["8", "0", save8, "no"], ["10", "0", save10, "yes"]]
+    code, out, _ = run_cli(capsys, "ls", str(tmp_path / "ckpts"))
+    assert code == 0 and out.splitlines()[0].split("\t") == ["step", *LS_COLUMNS]
+    # --json: the keys ls always has, plus the part's record (and, of a local tier's
+    # directory, its owner and whether it is the holder's own)
+    plain = strict_json(run_cli(capsys, "ls", str(tmp_path / "ckpts"), "--json")[1])
+    assert [set(r) for r in plain] == [
+        {"step", "committed_at", "bytes", "metrics", "items", "status"}
+    ] * 2
+    of_part = strict_json(run_cli(capsys, "ls", str(part), "--json", "--verify")[1])
+    assert [set(r) - set(plain[0]) for r in of_part] == [{"part"}] * 2
+    assert [(r["step"], r["part"], r["status"]) for r in of_part] == [
+        (8, recorded[8], "ok"),
+        (10, recorded[10], "ok"),
+    ]
+    of_tier = strict_json(run_cli(capsys, "ls", str(local), "--json", "--keep-latest", "1")[1])
+    assert [(r["step"], r["owner"], r["held"], r["part"], r["kept_by"]) for r in of_tier] == [
+        (8, 0, "own", recorded[8], []),
+        (10, 0, "own", recorded[10], ["KeepLatest", "newest"]),
+    ]
+    assert list(of_tier[0])[:3] == ["step", "owner", "held"]
+    code, shown, _ = on_terminal("ls", str(local))
+    assert code == 0 and "held" in shown and "own" in shown and save10 in shown
+
+
+def as_part(source: Path, target: Path, process: int, processes: int, **record: Any) -> None:
+    """`source`'s parts copied to `target`, recorded as process `process`'s of `processes`."""
+    shutil.copytree(source, target)
+    for path in sorted(target.glob("checkpoint_*/_CHECKPOINT.json")):
+        body = load_checked(path.read_bytes(), str(path))
+        body["metadata"][PART].update(process=process, processes=processes, **record)
+        path.write_bytes(dump_checked(body))
+
+
+def test_ls_of_a_local_tier_tells_replicas_from_own_parts_with_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Process 1's local directory in a job of 3, holding its own parts and a replica of process
+    0's: disk does not say which is its own, --process does; a damaged part is listed as
+    damaged under its owner; a save id from the directory is printed as text."""
+    local_run(tmp_path)
+    source, holder = tmp_path / "local-0" / "process_0", tmp_path / "host"
+    as_part(source, holder / "process_1", 1, 3)
+    as_part(source, holder / "process_0", 0, 3, save=EVIL)
+    (holder / "process_0" / "checkpoint_8" / "_CHECKPOINT.json").write_text("{}")
+    code, out, err = run_cli(capsys, "ls", str(holder))
+    assert code == 0 and "give --process P" in err and len(err.splitlines()) == 1
+    lines = [line.split("\t") for line in out.splitlines()]
+    assert [row[:3] for row in lines[1:]] == [
+        ["8", "0", "-"],
+        ["8", "1", "-"],
+        ["10", "0", "-"],
+        ["10", "1", "-"],
+    ]
+    assert lines[1][3:5] == ["-", "-"] and lines[1][-1].startswith("damaged: ")
+    assert lines[3][3] == "\\x1b]0;pwne"  # the crafted save id, as text
+    code, out, err = run_cli(capsys, "ls", str(holder), "--process", "1", "--json")
+    rows = strict_json(out)
+    assert code == 0 and err == ""
+    assert [(r["step"], r["owner"], r["held"]) for r in rows] == [
+        (8, 0, "replica"),
+        (8, 1, "own"),
+        (10, 0, "replica"),
+        (10, 1, "own"),
+    ]
+    assert "part" not in rows[0] and rows[0]["status"].startswith("damaged: ")
+    assert rows[2]["part"]["save"] == EVIL and rows[3]["part"]["processes"] == 3
+    lines = [
+        line.split("\t")
+        for line in run_cli(capsys, "ls", str(holder), "--process", "1")[1].splitlines()
+    ]
+    assert [row[2] for row in lines[1:]] == ["replica", "own", "replica", "own"]
+    for args, message in [
+        ((str(holder), "--process", "2"), "no process_2 in it (it holds process_0, process_1)"),
+        ((str(holder), "--process", "-1"), "--process must be at least 0, got -1"),
+        ((str(tmp_path / "ckpts"), "--process", "0"), "--process reads a local tier's directory"),
+        ((str(source), "--process", "0"), "--process reads a local tier's directory"),
+    ]:
+        code, out, err = run_cli(capsys, "ls", *args)
+        assert (code, out) == (2, "") and err.startswith("cairn: error: ") and message in err
+        assert len(err.splitlines()) == 1

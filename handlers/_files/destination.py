@@ -68,6 +68,12 @@ class Destination(abc.ABC):
         self._reuse_records = {r.path: r for r in records}
         self._incremental = True
 
+    @property
+    def incremental(self) -> bool:
+        """Whether this is an incremental save's destination (`reuse` was called): what it
+        writes, the next incremental save of its directory may reuse."""
+        return self._incremental
+
     def previous(self) -> StoredItem | None:
         """In an incremental save, the previous step's item (to read what it recorded, checked
         against its manifest as any restore reads), or None."""

@@ -272,7 +272,10 @@ class TrainStateHandler:
             pieces[at] = (pieces[at][0], host)
         staging = current_staging()
         lease = None
-        if staging is not None and staging[0].remembers:  # incremental: unchanged arrays
+        # Incremental: an unchanged array is neither copied nor hashed, its files are linked.
+        # Not in a local tier's part, which links nothing: its write reads its own copy, never
+        # the caller's arrays, which the caller may donate once save() returned.
+        if staging is not None and staging[0].remembers and not in_parts():
             for kept, files in _unchanged(leaves, staging[0].recall(staging[1])):
                 kept.known = files  # linked at write time, or written from these views
         if staging is not None:  # inside a manager's save(): its pool, if it has room

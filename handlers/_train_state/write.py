@@ -122,24 +122,27 @@ class _StateSnapshot:
         self.__init__(state["handler"], state["tree"], state["leaves"], lease)  # type: ignore[misc]
 
     def release(self) -> None:
-        """Give the staging slab back to the pool (the writer process has written it), and
-        let go of every view of it: a traceback that keeps this snapshot alive (a kept commit
-        error) must not keep the shared memory mapped after the manager closed."""
-        self._writes = 1
-        self._let_go()
-        self._lease, self._leaves = None, []
+        """One write of this snapshot is done without this copy (the writer process wrote its
+        own) or will not come (the save never reached it). After the last of the writes
+        `share` announced, the staging slab goes back to the pool and every view of it is let
+        go: a traceback that keeps this snapshot alive (a kept commit error) must not keep the
+        shared memory mapped after the manager closed. Before it, the other write (a local
+        tier's part, on another thread) still reads the slab."""
+        if self._let_go():
+            self._lease, self._leaves = None, []
 
-    def _let_go(self) -> None:
+    def _let_go(self) -> bool:
         """Give the slab back to the pool, once no copy writes into it any more and no other
-        write (`share`) reads it."""
+        write (`share`) reads it; whether it went back (this was the last write)."""
         with self._writes_lock:
             self._writes -= 1
             if self._writes > 0:
-                return
+                return False
         if self._copying is not None:
             self._copying.wait(quiet=True)
         if self._lease is not None:
             self._lease.release()
+        return True
 
     def write(self, dest: Destination | Path) -> Sequence[FileRecord]:
         dest = as_destination(dest)
@@ -180,7 +183,7 @@ class _StateSnapshot:
             self._let_go()  # the next save may stage into it now
         self._check_sources(viewed)
         records += linked
-        if self._staging is not None:
+        if self._staging is not None and dest.incremental:  # not a local tier's part
             self._remember({r.path: r for r in records if not r.path.endswith("/zarr.json")})
         if primary:
             records.append(dest.write_file(TREE, json.dumps(self._tree).encode()))
@@ -215,7 +218,7 @@ class _StateSnapshot:
                 views.append(view)
                 viewed.add(leaf.index)
         digests: dict[str, str] = {}
-        previous = self._previous or _previous_chunks(dest, process)
+        previous = (self._previous or _previous_chunks(dest, process)) if dest.incremental else {}
         if previous:
             self.settle()  # every staged chunk may be hashed
             staged, views = self._match_previous(
@@ -284,7 +287,7 @@ class _StateSnapshot:
             placed.update(chunks)
         self._check_sources(viewed)
         records.append(write_index(dest, process, placed))
-        if self._staging is not None:
+        if self._staging is not None and dest.incremental:  # not a local tier's part
             self._remember(placed)
             self._staging[0].remember_chunks(self._staging[1], placed)
         if process == 0:

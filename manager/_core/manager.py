@@ -350,24 +350,23 @@ class CheckpointManager:
             settled=threading.Event(),
             best=self._options.best_rule,
         )
-        packed, in_process = None, self._options.writer_process
-        if self._commits.executor is None or in_process:  # committed here, or sent: copies first
-            try:
+        packed, in_process, part = None, self._options.writer_process and persistent, None
+        try:
+            if self._commits.executor is None or in_process:  # committed here, or sent: copies
                 settle(job, entered)
                 packed = pack_job(job) if in_process else None
-            except BaseException:
-                self._commits.abandon(snapshots, slot=persistent)
-                raise
-        part = None
-        if local:
-            part = self._local.save(job, entered, persistent=persistent)
-            if not persistent:
-                settle(job, entered, handed=True)
-                self._local.finish(part, job)
-                return True
+            if local:  # (a synchronous part that fails raises here: the persistent write too)
+                part = self._local.save(job, entered, persistent=persistent)
+        except BaseException:
+            self._commits.abandon(snapshots, slot=persistent)
+            raise
+        if part is not None and not persistent:
+            settle(job, entered, handed=True)
+            self._local.finish(part, job)
+            return True
         with self._handing:  # a takeover from another thread waits for this save, or refuses it
-            if self._superseded is not None:  # (a local part being written keeps its copy)
-                self._commits.abandon(snapshots if part is None else {}, slot=persistent)
+            if self._superseded is not None:  # a local part being written counts (`share`)
+                self._commits.abandon(snapshots, slot=persistent)
                 raise SupersededError(f"save: {self._superseded}")
             self._catalog.start(step)
             if self._commits.executor is None:

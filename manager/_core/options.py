@@ -129,7 +129,7 @@ class Options:
         if writer == "process":
             _check_writer_process_options(async_save, zero_copy, incremental)
         if local is not None:
-            _check_local(local, read_only, writer, incremental)
+            _check_local(local, read_only)
         max_staging_bytes = check_max_staging_bytes(max_staging_bytes)
         zero_copy = check_flag("zero_copy", zero_copy)
         budget = None if max_write_bytes_per_s is None else WriteBudget(max_write_bytes_per_s)
@@ -177,13 +177,11 @@ def _check_writer_process_options(async_save: Any, zero_copy: Any, incremental: 
         raise ValueError("incremental=True cannot go with writer='process' yet")
 
 
-def _check_local(local: Any, read_only: Any, writer: Any, incremental: Any) -> None:
-    """local= (a LocalTier), and the options it cannot go with yet."""
+def _check_local(local: Any, read_only: Any) -> None:
+    """local= (a LocalTier), and the option it cannot go with. writer="process" and
+    incremental=True apply to the persistent tier; the local tier's parts are committed in
+    this process, each whole (docs/multitier.md)."""
     if not isinstance(local, LocalTier):
         raise TypeError(f"local= must be a LocalTier or None, got {local!r}")
     if read_only is True:
         raise ValueError("local= is the writing manager's: a read_only=True manager takes none")
-    if writer == "process":
-        raise ValueError("local= cannot go with writer='process' yet")
-    if incremental is True:
-        raise ValueError("local= cannot go with incremental=True yet")

@@ -173,6 +173,8 @@ class Local:
                         storage_options=tier.storage_options,
                         zero_copy=True,  # it stages nothing: the persistent manager's snapshot feeds it
                     )
+                    # its commits and restores under the local tier's names, not Orbax's
+                    managers[owner]._telemetry.local_tier(options.tensorboard_dir, own=owner == me)
             return cls(tier, managers, together, ring)
         except BaseException:
             for manager in managers.values():
@@ -256,7 +258,9 @@ class Local:
     def save(self, job: _commit.SaveJob, entered: float, *, persistent: bool) -> _commit.SaveJob:
         """Hand this process's part of `job`'s step to its manager (its commit thread, or
         committed here when synchronous); the job it commits. With `persistent`, the same
-        snapshots go to the persistent tier too, so each is written twice."""
+        snapshots go to the persistent tier too, so each is written twice (with
+        writer="process", there by the writer process from its copy: the release after its
+        answer counts as that write). A part is written whole, never incrementally."""
         if persistent:
             for _, snapshot in job.snapshots.values():
                 share_snapshot(snapshot, 2)

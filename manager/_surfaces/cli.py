@@ -29,8 +29,9 @@ import numpy as np
 from cairn.handlers.errors import CairnError, MissingDependencyError
 from cairn.handlers.io import optional
 from cairn.manager._core.manager import CheckpointManager
-from cairn.manager._format import StepNames, namings
+from cairn.manager._format import PART, StepNames, namings
 from cairn.manager._layouts.orbax import is_orbax_step
+from cairn.manager._surfaces.cli_parts import owner_directories, part_cells, part_columns
 
 
 class _UsageError(Exception):
@@ -312,50 +313,101 @@ def _step_like_hint(directory: Path, names: StepNames) -> str | None:
     return None
 
 
+def _ls_rows(mgr: CheckpointManager, args: argparse.Namespace, policy: Any) -> list[dict[str, Any]]:
+    """`ls`'s rows of one directory: one per step, with its part record (`part`) where the step
+    is a local tier's part."""
+    rows: list[dict[str, Any]] = []
+    infos = _infos(mgr)
+    reasons = _kept_by(policy, _views(infos)) if policy is not None else {}
+    checked: dict[tuple[int, ...], str] = {}  # files steps share are read once
+    for step, info in infos.items():
+        row: dict[str, Any] = {"step": step}
+        if isinstance(info, CairnError):
+            row.update(status=f"damaged: {info}")
+            rows.append(row)
+            continue
+        problems = []
+        if args.verify:
+            problems = mgr.verify(step, checked=checked)
+        row.update(
+            committed_at=info.committed_at,
+            bytes=info.bytes,
+            metrics=dict(info.metrics),
+            items=sorted(n for n, i in info.items.items() if not i.dropped),
+            status=("damaged: " + problems[0]) if problems else ("ok" if args.verify else "listed"),
+        )
+        if _is_orbax(info):
+            row["format"] = "orbax"
+        if policy is not None:
+            row["kept_by"] = reasons.get(step, [])
+        part = info.metadata.get(PART)
+        if isinstance(part, dict):  # a local tier's part: which process, which save
+            row["part"] = dict(part)
+        rows.append(row)
+    return rows
+
+
+def _ls_local(
+    args: argparse.Namespace, policy: Any, owners: dict[int, Path]
+) -> list[dict[str, Any]]:
+    """`ls` of a local tier's directory: the parts of each ``process_<q>/`` in it, one row each,
+    by step and owner; `held` says whether a part is the holder's own or a replica (None where
+    the holder is not known: disk does not record it, --process says it)."""
+    holder = args.process
+    if holder is not None and holder not in owners:
+        have = ", ".join(f"process_{q}" for q in sorted(owners))
+        raise _UsageError(f"{args.directory}: no process_{holder} in it (it holds {have})")
+    if holder is None and len(owners) == 1:  # no replicas: the holder's own parts
+        holder = next(iter(owners))
+    elif holder is None:
+        _say(
+            f"{args.directory}: own parts and replicas look alike on disk; give --process P "
+            "(the process whose local directory this is) to tell them apart",
+            err=True,
+        )
+    rows: list[dict[str, Any]] = []
+    for q in sorted(owners):
+        with _open(str(owners[q]), args.step_prefix, args.step_digits) as mgr:
+            held = None if holder is None else ("own" if q == holder else "replica")
+            rows += [
+                {"step": r["step"], "owner": q, "held": held} | r
+                for r in _ls_rows(mgr, args, policy)
+            ]
+    return sorted(rows, key=lambda r: (r["step"], r["owner"]))
+
+
 def _ls(args: argparse.Namespace) -> int:
     policy = _keep_policy(args)
-    rows: list[dict[str, Any]] = []
+    if args.process is not None and args.process < 0:
+        raise _UsageError(f"--process must be at least 0, got {args.process}")
     with _open(args.directory, args.step_prefix, args.step_digits) as mgr:
-        infos = _infos(mgr)
-        reasons = _kept_by(policy, _views(infos)) if policy is not None else {}
-        checked: dict[tuple[int, ...], str] = {}  # files steps share are read once
-        for step, info in infos.items():
-            row: dict[str, Any] = {"step": step}
-            if isinstance(info, CairnError):
-                row.update(status=f"damaged: {info}")
-                rows.append(row)
-                continue
-            problems = []
-            if args.verify:
-                problems = mgr.verify(step, checked=checked)
-            row.update(
-                committed_at=info.committed_at,
-                bytes=info.bytes,
-                metrics=dict(info.metrics),
-                items=sorted(n for n, i in info.items.items() if not i.dropped),
-                status=("damaged: " + problems[0])
-                if problems
-                else ("ok" if args.verify else "listed"),
-            )
-            if _is_orbax(info):
-                row["format"] = "orbax"
-            if policy is not None:
-                row["kept_by"] = reasons.get(step, [])
-            rows.append(row)
-    if not rows and "://" not in args.directory:
+        rows = _ls_rows(mgr, args, policy)
+    owners = owner_directories(args.directory) if not rows else {}
+    if owners:  # a local tier's directory: the parts in its process_<q>/ directories
+        rows = _ls_local(args, policy, owners)
+    elif args.process is not None:
+        raise _UsageError(
+            f"{args.directory}: --process reads a local tier's directory (one that holds "
+            "process_<p> directories); this one holds none"
+        )
+    elif not rows and "://" not in args.directory:
         hint = _step_like_hint(Path(args.directory), StepNames(args.step_prefix, args.step_digits))
         if hint:
             print(hint, file=sys.stderr)
     if args.json:
         _json(rows)
         return 0
-    columns = ["step", "committed", "size", "metrics", "items", "status"]
+    local = bool(owners)  # a local tier's directory: whose part each row is, own or replica
+    parts = local or any("part" in row for row in rows)
+    columns = ["step", *(part_columns(local=local) if parts else [])]
+    columns += ["committed", "size", "metrics", "items", "status"]
     if policy is not None:
         columns.append("kept by")
     cells = []
     for row in rows:
         line = [
             str(row["step"]),
+            *(part_cells(row, local=local) if parts else []),
             _when(row["committed_at"]) if "committed_at" in row else "-",
             _size(row["bytes"]) if "bytes" in row else "-",
             " ".join(f"{k}={v:.4g}" for k, v in row.get("metrics", {}).items()),
@@ -373,7 +425,7 @@ def _ls(args: argparse.Namespace) -> int:
         cells.append(line)
     console = _console()
     if console.is_terminal:
-        console.print(_table(args.directory, columns, cells, right=(0, 2)))
+        console.print(_table(args.directory, columns, cells, right=(0, columns.index("size"))))
     else:  # plain columns, tab-separated, a header first: for cut, awk and the like
         for line in [columns, *cells]:  # each cell escaped: a tab in a name is no column
             print("\t".join(_printable(cell) for cell in line))
@@ -747,9 +799,22 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run, parser=p)
         return p
 
-    ls = command("ls", _ls, "list the steps: time, size, metrics, items, status")
+    ls = command(
+        "ls",
+        _ls,
+        "list the steps: time, size, metrics, items, status; of a local tier's directory (one "
+        "holding process_<p> directories), the parts it holds",
+    )
     ls.add_argument("--verify", action="store_true", help="read every file (slow) for the status")
     ls.add_argument("--json", action="store_true", help="a JSON list of objects with a 'step' key")
+    ls.add_argument(
+        "--process",
+        type=int,
+        default=None,
+        metavar="P",
+        help="the directory is process P's local directory: its parts in process_P are its own, the "
+        "others replicas",
+    )
     _keep_options(ls)
     show = command("show", _show, "one step: its items, and the arrays with shapes and dtypes")
     show.add_argument("step", type=int)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +222,6 @@ def test_local_tier_refuses_bad_options(kwargs: dict[str, Any], error: type, mat
     [
         ({"local": "dir"}, "must be a LocalTier"),
         ({"read_only": True}, "read_only=True manager takes none"),
-        ({"writer": "process"}, "writer='process' yet"),
-        ({"incremental": True}, "incremental=True yet"),
     ],
 )
 def test_manager_refuses_what_a_local_tier_cannot_go_with(
@@ -263,6 +263,206 @@ def test_sharded_state_over_devices_is_held_whole_by_one_process(tmp_path: Path)
         np.testing.assert_array_equal(np.asarray(got), np.arange(16.0))
 
 
+def gated(manager: Any) -> threading.Event:
+    """An event that holds `manager`'s commit thread until set: the jobs handed to it after
+    this call wait for it (its commits run in submission order)."""
+    gate = threading.Event()
+    manager._commits.executor.submit(gate.wait)
+    return gate
+
+
+def test_writer_process_commits_the_persistent_steps_and_parts_commit_here(
+    tmp_path: Path,
+) -> None:
+    """writer="process": the persistent tier's steps are committed by the writer process,
+    each process's parts by its own manager; step 30 (both tiers) from one snapshot. Every step
+    restores bit-exact from its tier, and from the persistent one once the local directory is
+    gone."""
+    with manager(tmp_path, writer="process") as mgr:
+        run(mgr, range(1, 10))
+        assert mgr.all_steps("local") == [6, 9] and mgr.all_steps("persistent") == []
+        assert mgr._commits.remote is None  # parts alone start no writer process
+        run(mgr, range(10, 32))
+        assert mgr.all_steps("persistent") == [20, 30] and mgr.all_steps("local") == [27, 30]
+        writer = mgr._commits.remote
+        assert writer is not None and writer.pid != os.getpid() and writer.dead is None
+        assert mgr.info(30).metadata == {} and mgr.info(27).metadata[PART]["persistent"] is False
+    part = json.loads((local_step(tmp_path, 30) / "_CHECKPOINT.json").read_text())
+    assert part["metadata"][PART]["persistent"] is True
+    with manager(tmp_path, writer="process") as mgr:
+        check(restore(mgr), 30)  # from the local part
+        check(restore(mgr, 27), 27)  # a step only the local tier holds
+        check(restore(mgr, 20), 20)  # and one only the persistent tier holds
+    shutil.rmtree(tmp_path / "local-0")
+    with manager(tmp_path, writer="process") as mgr:
+        assert mgr.all_steps() == [20, 30]
+        check(restore(mgr), 30)  # from the persistent step the writer process committed
+        run(mgr, range(31, 34))
+        assert mgr.all_steps("local") == [33]
+
+
+def test_writer_process_a_step_of_both_tiers_keeps_its_staging_memory_for_the_part(
+    tmp_path: Path,
+) -> None:
+    """The writer process answers for step 30 before this process writes its part: the
+    snapshot's staging memory stays the part's until it is written (released after the last
+    of its two writes), so the next save (33, a part only) stages elsewhere, and both parts
+    hold their own step, bit-exact."""
+    with manager(tmp_path, writer="process", max_pending=2) as mgr:
+        gate = gated(mgr._local.inner)
+        try:
+            mgr.save(30, items(30))
+            mgr._commits.drain()  # the writer process committed step 30, its answer is in
+            assert mgr.all_steps("persistent") == [30]
+            mgr.save(33, items(33))  # staged while the part of step 30 waits to be written
+        finally:
+            gate.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps("local") == [30, 33]
+    with CheckpointManager(tmp_path / "local-0/process_0", read_only=True) as parts:
+        for step in (30, 33):
+            check(parts.restore(step, {"state": None, "data": Shuffled(seed=3)}), step)
+
+
+FROZEN = jnp.arange(1 << 18, dtype=jnp.float32)  # 1 MiB, the same jax.Array in every save
+
+
+def frozen_items(step: int) -> dict[str, Any]:
+    return {"state": {**state(step), "frozen": FROZEN}, "data": advanced(Shuffled(seed=3), step)}
+
+
+def check_frozen(restored: dict[str, Any], step: int) -> None:
+    check(restored, step)
+    np.testing.assert_array_equal(np.asarray(restored["state"]["frozen"]), np.asarray(FROZEN))
+
+
+def test_incremental_persistent_steps_link_and_parts_are_whole(tmp_path: Path) -> None:
+    """incremental=True: a persistent step links the unchanged pack of the persistent step
+    before it (parts saved in between change nothing there); each part is written whole. Every
+    step restores bit-exact from its tier; with the local directory wiped, from the persistent
+    tier, and so does a persistent step saved after the wipe, which links its predecessor."""
+    with manager(tmp_path, incremental=True) as mgr:
+        for step in range(1, 32):
+            if mgr.should_save(step):
+                assert mgr.save(step, frozen_items(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps("persistent") == [20, 30] and mgr.all_steps("local") == [27, 30]
+        for step in (20, 30):  # 30: both tiers, one snapshot
+            telemetry = mgr.info(step).telemetry
+            assert telemetry["bytes_written"] < 0.1 * telemetry["bytes"], (step, telemetry)
+        for step in (27, 30):
+            manifest = json.loads((local_step(tmp_path, step) / "_CHECKPOINT.json").read_text())
+            files = [f for entry in manifest["items"].values() for f in entry["files"]]
+            assert files and not any(f.get("reused") for f in files)
+            assert manifest["telemetry"]["bytes_written"] == manifest["telemetry"]["bytes"]
+    with manager(tmp_path, incremental=True) as mgr:
+        check_frozen(restore(mgr), 30)  # from the local part
+        check_frozen(restore(mgr, 27), 27)
+        check_frozen(restore(mgr, 20), 20)
+    shutil.rmtree(tmp_path / "local-0")
+    with manager(tmp_path, incremental=True) as mgr:
+        assert mgr.all_steps() == [20, 30]
+        check_frozen(restore(mgr), 30)
+        for step in range(31, 41):
+            if mgr.should_save(step):
+                assert mgr.save(step, frozen_items(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps("persistent") == [30, 40] and mgr.all_steps("local") == [36, 39]
+        telemetry = mgr.info(40).telemetry
+        assert telemetry["bytes_written"] < 0.1 * telemetry["bytes"]
+    shutil.rmtree(tmp_path / "local-0")
+    with manager(tmp_path, incremental=True) as mgr:
+        assert mgr.all_steps() == [30, 40]
+        check_frozen(restore(mgr), 40)
+        assert mgr.verify(40) == [] and mgr.verify(30) == []
+
+
+def test_incremental_never_reads_an_array_the_caller_let_go_after_save(tmp_path: Path) -> None:
+    """Once save() returned, the caller may donate or delete its arrays. A part is written from
+    the snapshot's own copy (nothing of a part is linked), and a persistent step after a part
+    links, unread, the files of the array the persistent step before wrote (a part written in
+    between is not what it links to): neither reads the deleted array."""
+    frozen = jnp.arange(1 << 18, dtype=jnp.float32)
+
+    def items_with(step: int, array: Any) -> dict[str, Any]:
+        return {"state": {"frozen": array, "lora": jnp.full(1000, float(step))}}
+
+    with manager(tmp_path, incremental=True) as mgr:
+        for step in (10, 12):  # persistent, then a part
+            assert mgr.save(step, items_with(step, frozen))
+            mgr.wait_until_finished()
+        gate = gated(mgr)
+        try:
+            assert mgr.save(20, items_with(20, frozen))  # persistent: links step 10's pack
+            frozen.delete()
+        finally:
+            gate.set()
+        mgr.wait_until_finished()
+        telemetry = mgr.info(20).telemetry
+        assert telemetry["bytes_written"] < 0.1 * telemetry["bytes"]
+        again = jnp.arange(1 << 18, dtype=jnp.float32)
+        assert mgr.save(30, items_with(30, again))  # both tiers; the persistent write links
+        mgr.wait_until_finished()
+        gate = gated(mgr._local.inner)
+        try:
+            assert mgr.save(33, items_with(33, again))  # a part: `again` as step 30 wrote it
+            again.delete()
+        finally:
+            gate.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps("local") == [30, 33] and mgr.all_steps("persistent") == [20, 30]
+        for step in (33, 30, 20):  # a restore deletes the parts above its step
+            got = mgr.restore(step, {"state": None})["state"]
+            np.testing.assert_array_equal(
+                np.asarray(got["frozen"]), np.arange(1 << 18, dtype=np.float32)
+            )
+            np.testing.assert_array_equal(np.asarray(got["lora"]), np.full(1000, float(step)))
+
+
+@pytest.mark.timeout(120)  # the bug this guards against hung the next persistent save
+def test_a_synchronous_part_that_fails_gives_its_slot_back(tmp_path: Path) -> None:
+    """async_save=False, max_pending=1: step 30's local part cannot be written (its directory
+    was replaced by a file), so save() raises, and the persistent save of the same step never
+    happens: its slot and its snapshot's staging memory go back. The next persistent save
+    (step 40) then commits and restores, instead of waiting for the slot forever."""
+    mgr = manager(tmp_path, async_save=False, max_pending=1)
+    run(mgr, range(1, 30))
+    parts = tmp_path / "local-0" / "process_0"
+    parts.rename(tmp_path / "gone")  # (its retention may still be emptying a trash directory)
+    parts.write_bytes(b"not a directory")
+    with pytest.raises(Exception, match="process_0"):
+        mgr.save(30, items(30))
+    assert mgr.all_steps("persistent") == [10, 20]
+    assert mgr.save(40, items(40))
+    assert mgr.all_steps("persistent") == [20, 40]
+    parts.unlink()
+    mgr.close()
+    with manager(tmp_path) as again:
+        check(restore(again), 40)
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_local_tier_on_an_object_store(
+    tmp_path: Path, store: str, request: pytest.FixtureRequest
+) -> None:
+    """Either tier may be an object store: the local tier's parts in a bucket (a real moto or
+    fake-gcs-server process), the persistent directory on disk. Restore reads the newest part
+    from the bucket, bit-exact; the bucket's parts lost, the persistent step serves."""
+    bucket = request.getfixturevalue(f"{store}_bucket")
+    local = LocalTier(f"{bucket}/local-{{process}}", save=EveryNSteps(3), keep=KeepLatest(2))
+    with manager(tmp_path, local=local) as mgr:
+        run(mgr, range(1, 13))
+        assert mgr.all_steps("local") == [9, 12] and mgr.all_steps("persistent") == [10]
+    with manager(tmp_path, local=local) as mgr:
+        check(restore(mgr), 12)
+        assert mgr.latest_step() == 12
+    with CheckpointManager(f"{bucket}/local-0/process_0") as parts:  # an ordinary directory
+        for step in parts.all_steps():
+            parts.delete(step)  # the bucket's parts gone
+    with manager(tmp_path, local=local) as mgr:
+        check(restore(mgr), 10)
+
+
 def test_info_says_which_tier_holds_a_step(tmp_path: Path) -> None:
     with manager(tmp_path) as mgr:
         run(mgr, range(1, 11))
@@ -279,3 +479,95 @@ def test_info_says_which_tier_holds_a_step(tmp_path: Path) -> None:
             mgr.all_steps("bucket")  # type: ignore[arg-type]
     with CheckpointManager(tmp_path / "persistent") as plain:
         assert plain.all_steps("local") == [] and plain.all_steps("persistent") == [10]
+
+
+LOCAL_WRITE = {
+    "/cairn/local/checkpoint/write/blocking_duration_secs",
+    "/cairn/local/checkpoint/write/async/total_duration_secs",
+}
+ORBAX_WRITE = {
+    "/jax/checkpoint/write/blocking_duration_secs",
+    "/jax/checkpoint/write/async/total_duration_secs",
+}
+
+
+WRITE_NAMES = (
+    "write/blocking_duration_secs",
+    "write/async/total_duration_secs",
+    "write/bytes",
+    "write/bytes_per_sec",
+)
+
+
+@pytest.fixture
+def checkpoint_events() -> Any:
+    """The names of the duration events JAX's monitoring listeners get of checkpoints, in order."""
+    names: list[str] = []
+
+    def listen(name: str, seconds: float, **kwargs: Any) -> None:
+        if "/checkpoint/" in name:
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield names
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_each_tier_reports_under_its_own_names(tmp_path: Path, checkpoint_events: Any) -> None:
+    """A local part's commit and restore go to JAX's monitoring listeners and to TensorBoard
+    under /cairn/local/..., the persistent tier's under Orbax's names (/jax/checkpoint/...):
+    dashboards built for Orbax see the persistent tier alone. One event file holds both."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    tb = tmp_path / "tb"
+    with manager(tmp_path, tensorboard_dir=tb) as mgr:
+        run(mgr, range(1, 7))
+        assert mgr.all_steps("local") == [3, 6] and mgr.all_steps("persistent") == []
+        assert set(checkpoint_events) == LOCAL_WRITE and len(checkpoint_events) == 4
+        checkpoint_events.clear()
+        run(mgr, range(7, 11))  # 9: local, 10: persistent
+        assert sorted(checkpoint_events) == sorted(LOCAL_WRITE | ORBAX_WRITE)
+        checkpoint_events.clear()
+        check(restore(mgr, 10), 10)
+        assert checkpoint_events == ["/jax/checkpoint/read/duration_secs"]
+        check(restore(mgr, 9), 9)
+        assert checkpoint_events[1:] == ["/cairn/local/checkpoint/read/duration_secs"]
+        local_bytes = mgr.info(9).telemetry["bytes"]
+    (events,) = tb.glob("*tfevents*")  # one writer for both tiers
+    steps: dict[str, list[int]] = {}
+    values: dict[tuple[str, int], float] = {}
+    for event in EventFileLoader(str(events)).Load():
+        for value in event.summary.value:
+            steps.setdefault(value.tag, []).append(event.step)
+            values[value.tag, event.step] = float(tensor_util.make_ndarray(value.tensor))
+    local, orbax = "/cairn/local/checkpoint", "/jax/checkpoint"
+    assert steps == {
+        **{f"{local}/{name}": [3, 6, 9] for name in WRITE_NAMES},
+        **{f"{orbax}/{name}": [10] for name in WRITE_NAMES},
+        f"{local}/read/duration_secs": [9],
+        f"{orbax}/read/duration_secs": [10],
+    }
+    assert values[f"{local}/write/bytes", 9] == local_bytes
+
+
+def test_a_replica_held_for_another_process_is_not_reported(
+    tmp_path: Path, checkpoint_events: Any
+) -> None:
+    """The telemetry of a manager of replicas (another process's parts) reports nothing: the
+    save is its owner's, reported there; an own part's reports under the local names."""
+    from cairn.manager._core.telemetry import Telemetry
+
+    replicas, own = Telemetry(None), Telemetry(None)
+    replicas.local_tier(tmp_path / "tb", own=False)
+    own.local_tier(None, own=True)
+    for telemetry in (replicas, own):
+        telemetry.committed(4, 0.5, 1.0, 100.0)
+        telemetry.restored(4, 0.25)
+        telemetry.close()
+    assert checkpoint_events == [
+        "/cairn/local/checkpoint/write/blocking_duration_secs",
+        "/cairn/local/checkpoint/write/async/total_duration_secs",
+        "/cairn/local/checkpoint/read/duration_secs",
+    ]
+    assert not (tmp_path / "tb").exists()
