@@ -257,7 +257,7 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_REPLICAS: the local tier's replicas= (0 by default); CAIRN_TEST_CORRUPT_REPLICA:
     the other processes flip a byte in their newest replica of the wiped process's part;
     CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with;
-    CAIRN_TEST_DOMAINS: each process's failure_domain=, comma-separated (CAIRN_TEST_WIPE may
+    CAIRN_TEST_DOMAINS: each process's failure_domain=, comma-separated, empty for None (CAIRN_TEST_WIPE may
     name several processes, comma-separated, too);
     CAIRN_TEST_ASYNC=0: async_save=False."""
     import shutil
@@ -297,7 +297,7 @@ def local_tier(procs: Any, directory: str) -> None:
             save=EveryNSteps(2),
             keep=KeepLatest(2),
             replicas=int(env.get("CAIRN_TEST_REPLICAS", "0")),
-            failure_domain=domains[procs.index] if domains else None,
+            failure_domain=(domains[procs.index] or None) if domains else None,
         )
         return CheckpointManager(
             directory,

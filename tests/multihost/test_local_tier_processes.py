@@ -113,6 +113,26 @@ def test_replicas_go_to_another_failure_domain(tmp_path: Path) -> None:
     assert restored(run(place, local, "resume", count=4, replicas=1, wipe="0,1")) == 10
 
 
+def test_a_failure_domain_on_some_processes_only_is_refused_at_open(tmp_path: Path) -> None:
+    """failure_domain= given on process 0 and not on process 1: both managers refuse to open,
+    naming what each process gave, and nothing is created in either tier."""
+    settings = {
+        "CAIRN_TEST_LOCAL": str(tmp_path / "local"),
+        "CAIRN_TEST_PHASE": "save",
+        "CAIRN_TEST_STEPS": "4",
+        "CAIRN_TEST_REPLICAS": "1",
+        "CAIRN_TEST_DOMAINS": "rack a,",
+    }
+    persistent = tmp_path / "persistent"
+    results = launch("local", str(persistent), count=2, timeout=300, env=settings)
+    for r in results:
+        assert r.returncode != 0
+        assert "failure_domain= is given on some processes and not on others" in r.stderr, r.stderr
+        assert "process 0: ['rack a', 'host " in r.stderr, r.stderr
+    assert not (tmp_path / "local").exists() or not any((tmp_path / "local").rglob("checkpoint_*"))
+    assert not any(persistent.rglob("checkpoint_*"))
+
+
 def test_synchronous_saves_send_replicas_of_steps_both_tiers_save(tmp_path: Path) -> None:
     """async_save=False: step 10, which both tiers save, gets its replicas too (save() once
     returned before sending them)."""
