@@ -1,14 +1,15 @@
-"""Moving a local tier's parts between processes: who holds whose part (`holders`), a part as
-one payload (its manifest and files, `pack_part` / `unpack_part`), the transfer (`exchange`),
-and the commit of a received part (`commit_received`), whose files must hash as the owner's
-manifest says before it is committed.
+"""Moving a local tier's parts between processes: who holds whose part (`Ring`), a part as one
+payload (its manifest and files, `pack_part` / `unpack_part`), a restore's transfer
+(`exchange`), and the job that commits a received part (`received_job`), whose files must hash
+as the owner's manifest says before it is committed. (Replicas sent after a save travel over
+`post.Post`, in the background.)
 
-The bytes move through JAX's own cross-process collectives: a ``ppermute`` of uint8 pieces over
-a mesh of one device per process (gloo between CPU processes, the accelerator interconnect
-elsewhere), no wire protocol of ours. Every process makes the same calls in the same order on
-its caller thread, blocking on each piece: two threads issuing collectives can pair them up
-differently on two processes and deadlock, and undrained dispatches pile up (research,
-docs/design/multitier-research.md section 4).
+A restore's bytes move through JAX's own cross-process collectives: a ``ppermute`` of uint8
+pieces over a mesh of one device per process (gloo between CPU processes, the accelerator
+interconnect elsewhere), no wire protocol of ours. Every process makes the same calls in the
+same order on its caller thread, blocking on each piece: two threads issuing collectives can
+pair them up differently on two processes and deadlock, and undrained dispatches pile up
+(research, docs/design/multitier-research.md section 4).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from cairn.manager._core.policies import (
     policy_kind,
     policy_wants,
 )
+from cairn.manager._core.post import Post
 from cairn.manager._core.replicas import Ring
 from cairn.manager._format import PART, Manifest
 from cairn.manager._storage.base import check_directory
@@ -61,8 +62,8 @@ class LocalTier:
     one host, or a test). `save`: the local tier's save policy (no `OnPreemption`: that save
     belongs to the persistent tier, which survives the host). `keep`: its retention, applied to
     each process's parts and to the replicas it holds (the newest step is always kept).
-    `replicas`: how many other processes also hold each process's part, sent to them by save()
-    over JAX's collectives; with 0, a process whose local directory is lost gets its part from
+    `replicas`: how many other processes also hold each process's part, sent to them in the
+    background after each local save (`post.Post`); with 0, a process whose local directory is lost gets its part from
     the persistent tier. Holders are chosen in other failure domains than the owner where the
     processes tell any apart: `failure_domain` (this process's rack, zone, ...; give it on every
     process or on none), then the TPU slice, then the host (`replicas.Ring`).
@@ -128,13 +129,23 @@ class Local:
 
     Concurrency: called on the outer manager's caller thread, in the same order on every
     process (`wants`, `save`, `finish`, `restore` make collective calls through the outer
-    `Coordinator`, and the replica transfers are JAX collectives, made there too); each
-    manager's commit thread writes and commits its parts, then applies its retention."""
+    `Coordinator`, and a restore's transfers are JAX collectives, made there too); each
+    manager's commit thread writes and commits its parts, then applies its retention. With
+    replicas, `Post`'s sender thread reads this process's committed parts (`_own_payload`) and
+    its listener thread commits the parts received (`deliver`) into the managers of other
+    processes' parts, which the caller thread only drains until a restore has met every
+    process after its sends were answered (`_settle`)."""
 
     def __init__(
-        self, tier: LocalTier, managers: dict[int, Any], together: Coordinator, ring: Ring
+        self,
+        tier: LocalTier,
+        managers: dict[int, Any],
+        together: Coordinator,
+        ring: Ring,
+        post: Post | None = None,
     ) -> None:
-        self.tier, self._together, self.ring = tier, together, ring
+        self.tier, self._together, self.ring, self._post = tier, together, ring, post
+        self._newest: int | None = None  # the newest step save() gave the local tier
         self.procs = together.procs
         self.managers = managers  # by owner: this process's own first
         self.inner = managers[self.procs.index]
@@ -153,7 +164,12 @@ class Local:
     ) -> Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
-        ring = _ring(tier, together, options.barrier_timeout)
+        timeout = options.barrier_timeout
+        local: list[Local] = []  # the instance, for the listener's deliveries
+        post = None
+        if min(tier.replicas, count - 1) > 0:
+            post = Post(lambda owner, step, data: local[0].deliver(owner, step, data), timeout)
+        ring = _ring(tier, together, timeout, post)
         # the owners whose parts this process holds: it is their k-th holder
         owners = [me] + [ring.owner(me, k) for k in range(1, min(tier.replicas, count - 1) + 1)]
         managers: dict[int, Any] = {}
@@ -175,8 +191,11 @@ class Local:
                     )
                     # its commits and restores under the local tier's names, not Orbax's
                     managers[owner]._telemetry.local_tier(options.tensorboard_dir, own=owner == me)
-            return cls(tier, managers, together, ring)
+            local.append(cls(tier, managers, together, ring, post))
+            return local[0]
         except BaseException:
+            if post is not None:
+                post.close()
             for manager in managers.values():
                 _close_quietly(manager)
             raise
@@ -287,33 +306,44 @@ class Local:
 
     def finish(self, local: _commit.SaveJob, job: _commit.SaveJob) -> None:
         """save() is returning: the part's commit may record the time save() blocked and go
-        on; then, with replicas, this process's part, once committed, goes to its holders and
-        the parts it holds of others come in (collectives, on this thread)."""
+        on; then, with replicas, this process's part, once committed, goes to its holders in
+        the background (`Post`: after the part before it is held; with a synchronous manager,
+        before save() returns)."""
         local.blocked_s = job.blocked_s
         assert local.settled is not None
         local.settled.set()
-        if self.replicas:
-            self._replicate(local.step)
+        self._newest = local.step
+        if self._post is not None:
+            me, step = self.procs.index, local.step
+            holders = [self.ring.holder(me, k) for k in range(1, self.replicas + 1)]
+            executor = self.inner._commits.executor
+            if executor is None:  # committed already, here
+                self._post.send(me, step, holders, lambda: self._own_payload(step), wait=True)
+            else:  # read on the commit thread right after the part's commit, before retention
+                read = executor.submit(self._own_payload, step)
+                self._post.send(me, step, holders, read.result, wait=False)
 
-    def _replicate(self, step: int) -> None:
-        me, count = self.procs.index, self.procs.count
-        self.inner._commits.drain()  # this process's part is committed (or failed)
-        payload = b""
-        if self.inner._catalog.get(step) is not None:
-            try:
-                payload = self._payload(self.inner, step)
-            except Exception as e:  # its holders get nothing; the others' parts still come
-                log.error("cairn: step %d: this process's part cannot be sent: %r", step, e)
-        sizes = [int(n) for n in self._share_all("local/sizes", str(len(payload)))]
-        for k in range(1, self.replicas + 1):
-            pairs = [(p, self.ring.holder(p, k)) for p in range(count) if sizes[p]]
-            got = replicas.exchange(self.procs, pairs, payload, sizes)
-            owner = self.ring.owner(me, k)
-            if got:
-                try:
-                    _commit_part(self.managers[owner], self._received(owner, got), now=False)
-                except Exception as e:  # this replica is missing; the part has other sources
-                    log.error("cairn: a replica of process %d's step %d: %r", owner, step, e)
+    def _own_payload(self, step: int) -> bytes:
+        """This process's part of `step`, committed, as one payload."""
+        if self.inner._catalog.get(step) is None:
+            raise StepNotFoundError(f"this process's part of step {step} did not commit")
+        return self._payload(self.inner, step)
+
+    def deliver(self, owner: int, step: int, data: bytes) -> None:
+        """On the listener thread: commit `owner`'s part of `step`, received, into this
+        process's directory of its parts (every file checked against the owner's manifest)."""
+        if owner == self.procs.index or owner not in self.managers:
+            raise ValueError(f"this process holds no parts of process {owner}")
+        job = self._received(owner, memoryview(data))
+        if job.step != step:
+            raise CorruptCheckpointError(f"a part sent as step {step} is step {job.step}")
+        _commit_part(self.managers[owner], job, now=True)
+
+    def _settle(self) -> None:
+        """Every process's part in flight is held (its holders answered): a meeting."""
+        if self._post is not None:
+            self._post.wait_sent()
+            self._gather("local/sent", "")
 
     def _payload(self, manager: Any, step: int) -> bytes:
         """A committed part as one payload, each file checked against its record as it is read."""
@@ -362,6 +392,7 @@ class Local:
         each process reads its source; all vote, and a source that failed is struck out and
         the decision taken again. Parts above the step restored are then deleted (a timeline
         the run left). Returns (step, items)."""
+        self._settle()
         for manager in self.managers.values():
             manager.wait_until_finished()
         persistent = sorted(persistent)
@@ -482,20 +513,41 @@ class Local:
         self.inner.check_for_errors()
 
     def drain(self) -> None:
+        """This process's commits, and its part in flight held (or failed)."""
+        if self._post is not None:
+            self._post.wait_sent()
         for manager in self.managers.values():
             manager._commits.drain()
 
     def busy(self) -> bool:
-        return any(m.is_saving_in_progress() for m in self.managers.values())
+        sending = self._post is not None and self._post.busy()
+        return sending or any(m.is_saving_in_progress() for m in self.managers.values())
 
     def close(self) -> None:
-        """Close the managers: this process's own raises a commit error; replicas' are logged."""
+        """Close the managers: this process's own raises a commit error; replicas' are logged.
+        With replicas, first this process's part in flight goes out, and the parts of the
+        newest local step it holds for others come in (at most `barrier_timeout`)."""
         try:
-            self.inner.close()
+            if self._post is not None:
+                self._post.wait_sent()
+                owners = [q for q in self.managers if q != self.procs.index]
+                if self._newest is not None:
+                    late = self._post.wait_received(owners, self._newest)
+                    if late:
+                        log.warning(
+                            "cairn: closing without the parts of step %d of process(es) %s",
+                            self._newest,
+                            late,
+                        )
         finally:
-            for owner, manager in self.managers.items():
-                if owner != self.procs.index:
-                    _close_quietly(manager)
+            try:
+                if self._post is not None:
+                    self._post.close()
+                self.inner.close()
+            finally:
+                for owner, manager in self.managers.items():
+                    if owner != self.procs.index:
+                        _close_quietly(manager)
 
 
 class NoLocal:
@@ -545,13 +597,24 @@ def domains_of(tier: LocalTier) -> list[str]:
     return [*found, f"host {socket.gethostname()}"]
 
 
-def _ring(tier: LocalTier, together: Coordinator, timeout: float) -> Ring:
-    """Every process's failure domains, gathered, as the ring of holders (`Ring.of`)."""
-    procs, mine = together.procs, json.dumps(domains_of(tier))
-    if procs.count == 1 or not tier.replicas:
+def _ring(tier: LocalTier, together: Coordinator, timeout: float, post: Post | None) -> Ring:
+    """Every process's failure domains, gathered, as the ring of holders (`Ring.of`); and
+    with `post`, every process's listener address and key, for it."""
+    procs = together.procs
+    if procs.count == 1 or post is None:
         return Ring(tuple(range(procs.count)))
-    got = _gather(together, "local/domains", mine, timeout, everyone=True)
-    domains = [json.loads(d) for d in got]
+    mine = {"domains": domains_of(tier), "address": list(post.address), "key": post.key.hex()}
+    got = [
+        json.loads(d)
+        for d in _gather(together, "local/meet", json.dumps(mine), timeout, everyone=True)
+    ]
+    post.meet(
+        {
+            p: ((g["address"][0], g["address"][1]), bytes.fromhex(g["key"]))
+            for p, g in enumerate(got)
+        }
+    )
+    domains = [g["domains"] for g in got]
     if any(len(d) != len(domains[0]) for d in domains):
         raise ValueError(
             "LocalTier failure_domain= is given on some processes and not on others: "

@@ -1,0 +1,206 @@
+"""Sending each local part to its holders in the background, and receiving the parts this
+process holds of others', over `multiprocessing.connection`: the standard library's framed
+connections, each authenticated by a key its listener drew (HMAC challenge), no wire format of
+ours. Not JAX's collectives: they must be called on the training loop's thread, in its order
+(two threads issuing them pair them up differently on two processes and deadlock,
+docs/design/multitier-research.md section 4), so a transfer through them stops training.
+
+One exchange per part and holder: the sender sends a header (JSON: owner, step) and the payload
+(`replicas.pack_part`; empty when the owner has no part of that step to send), the holder
+commits the part (`deliver`: every file checked against the owner's manifest) and answers
+``ok`` or what failed. A part is held once its holder answered ``ok``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Client, Connection, Listener
+
+log = logging.getLogger("cairn")
+
+Address = tuple[str, int]
+_HEADER_BYTES = 4096  # a header is a short JSON object: anything longer is refused unread
+
+
+class Post:
+    """This process's side of moving parts: a listener thread that receives the parts of the
+    processes it holds for, one at a time, and commits each (`deliver`, on that thread); and one
+    sender thread that sends this process's parts to their holders, one save at a time.
+
+    Concurrency: `send`, `wait_sent`, `wait_received` and `close` run on the caller thread.
+    `send` first waits until the send before it was answered, so at most one part is in
+    flight, and a save returns only once the part before it is held. `deliver` runs on the
+    listener thread and touches only the managers of other processes' parts, which the caller
+    thread only waits on (drain) or reads after `wait_sent` and a meeting of every process."""
+
+    def __init__(self, deliver: Callable[[int, int, bytes], None], timeout: float) -> None:
+        self._deliver, self._timeout = deliver, timeout
+        self.key = os.urandom(32)
+        self._listener = Listener((reachable_host(), 0), authkey=self.key)
+        self.address: Address = self._listener.address
+        self._peers: dict[int, tuple[Address, bytes]] = {}
+        self._received: dict[int, int] = {}  # owner -> the newest step it sent (or had none of)
+        self._changed = threading.Condition()
+        self._closing = False
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="cairn-local-send")
+        self._sending: Future[None] | None = None
+        self._thread = threading.Thread(target=self._serve, name="cairn-local-post", daemon=True)
+        self._thread.start()
+
+    def meet(self, peers: dict[int, tuple[Address, bytes]]) -> None:
+        """Every other process's listener address and key (gathered at open)."""
+        self._peers = dict(peers)
+
+    # ------------------------------------------------------------------ sending
+
+    def send(
+        self,
+        owner: int,
+        step: int,
+        holders: Sequence[int],
+        payload: Callable[[], bytes],
+        *,
+        wait: bool,
+    ) -> None:
+        """Send `owner`'s part of `step` (`payload()`, built on the sender thread) to each of
+        `holders`, after the send before it was answered; `wait`: until this one is, too."""
+        self.wait_sent()
+        self._sending = self._sender.submit(self._send, owner, step, list(holders), payload)
+        if wait:
+            self.wait_sent()
+
+    def wait_sent(self) -> None:
+        """Until the holders answered for the part in flight (or failed: logged)."""
+        if self._sending is not None:
+            self._sending.result()
+            self._sending = None
+
+    def busy(self) -> bool:
+        return self._sending is not None and not self._sending.done()
+
+    def _send(
+        self, owner: int, step: int, holders: list[int], payload: Callable[[], bytes]
+    ) -> None:
+        """On the sender thread: every failure is logged (that replica is missing), none raised."""
+        try:
+            data = payload()
+        except Exception as e:  # its holders hear that there is none, and stop waiting for it
+            log.error("cairn: step %d: this process's part cannot be sent: %r", step, e)
+            data = b""
+        header = json.dumps({"owner": owner, "step": step}).encode()
+        for holder in holders:
+            try:
+                address, key = self._peers[holder]
+                with Client(address, authkey=key) as conn:
+                    conn.send_bytes(header)
+                    conn.send_bytes(data)
+                    if not conn.poll(self._timeout):
+                        raise TimeoutError(f"no answer within {self._timeout:g} s")
+                    answer = conn.recv_bytes(_HEADER_BYTES).decode(errors="replace")
+                if answer != "ok":
+                    raise RuntimeError(answer)
+            except Exception as e:  # this replica is missing; the part has its other sources
+                log.error(
+                    "cairn: step %d: process %d did not take this process's part: %s",
+                    step,
+                    holder,
+                    e,
+                )
+
+    # ------------------------------------------------------------------ receiving
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except Exception as e:  # a connection without the key, or the listener closed
+                if self._closing:
+                    return
+                log.warning("cairn: the local tier refused a connection: %r", e)
+                continue
+            with conn:
+                if self._closing:
+                    return
+                self._take(conn)
+
+    def _take(self, conn: Connection) -> None:
+        owner = step = None  # known once the header is read: then the part is resolved
+        try:
+            if not conn.poll(self._timeout):
+                raise TimeoutError(f"no header within {self._timeout:g} s")
+            header = json.loads(conn.recv_bytes(_HEADER_BYTES))
+            if not isinstance(header, dict) or not all(
+                isinstance(header.get(k), int) and not isinstance(header.get(k), bool)
+                for k in ("owner", "step")
+            ):
+                raise ValueError(f"header {header!r}")
+            owner, step = header["owner"], header["step"]
+            if not conn.poll(self._timeout):
+                raise TimeoutError(f"no part within {self._timeout:g} s")
+            data = conn.recv_bytes()
+            if data:
+                self._deliver(owner, step, data)
+            answer = "ok"
+        except Exception as e:
+            answer = f"{type(e).__name__}: {e}"
+            log.error("cairn: a part sent by process %s was not taken: %s", owner, answer)
+        try:
+            conn.send_bytes(answer.encode()[:_HEADER_BYTES])
+        except OSError as e:
+            log.warning("cairn: could not answer process %s: %r", owner, e)
+        if owner is not None and step is not None:
+            with self._changed:
+                self._received[owner] = max(step, self._received.get(owner, step))
+                self._changed.notify_all()
+
+    def wait_received(self, owners: Sequence[int], step: int) -> list[int]:
+        """Until each of `owners` sent its part of `step` (or a newer one, or said it had none),
+        at most `timeout`; the owners that did not."""
+
+        def missing() -> list[int]:
+            return [q for q in owners if self._received.get(q, -1) < step]
+
+        with self._changed:
+            self._changed.wait_for(lambda: not missing(), self._timeout)
+            return missing()
+
+    def close(self) -> None:
+        """Stop sending (after the part in flight) and listening."""
+        try:
+            self.wait_sent()
+        finally:
+            self._sender.shutdown()
+            self._closing = True
+            if self._thread.is_alive():  # wake it out of accept(): a connection of its own
+                threading.Thread(target=self._wake, name="cairn-local-wake", daemon=True).start()
+                self._thread.join(self._timeout)
+            self._listener.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(Exception):
+            Client(self.address, authkey=self.key).close()
+
+
+def reachable_host() -> str:
+    """The address other processes reach this one at: the one it reaches JAX's coordination
+    service from (a UDP socket's route to it; nothing is sent), else its host name's."""
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address or "127.0.0.1:0"
+    host, _, port = address.rpartition(":")
+    try:
+        where = socket.getaddrinfo(
+            host.strip("[]"), int(port or 0), socket.AF_INET, socket.SOCK_DGRAM
+        )[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return socket.gethostbyname(socket.gethostname())

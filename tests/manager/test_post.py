@@ -1,0 +1,148 @@
+"""The local tier's transport for replicas (`post.Post`), two of them in one process over real
+sockets on 127.0.0.1: a part goes to its holder and is answered; what a holder refuses (a
+delivery that raises, a crafted header, a connection without the key, a peer that says
+nothing) is answered or dropped, logged, and never stops the listener; `wait_received` and
+`close` are bounded."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Client
+from typing import Any
+
+import pytest
+
+from cairn.manager._core.post import Post
+
+
+class Holder:
+    """A Post whose deliveries are recorded (or refused, when `refuse` is set)."""
+
+    def __init__(self, timeout: float = 5.0) -> None:
+        self.got: list[tuple[int, int, bytes]] = []
+        self.refuse: str | None = None
+        self.post = Post(self.deliver, timeout)
+
+    def deliver(self, owner: int, step: int, data: bytes) -> None:
+        if self.refuse:
+            raise ValueError(self.refuse)
+        self.got.append((owner, step, data))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Holder, Holder]]:
+    a, b = Holder(), Holder()
+    peers = {0: (a.post.address, a.post.key), 1: (b.post.address, b.post.key)}
+    a.post.meet(peers)
+    b.post.meet(peers)
+    yield a, b
+    a.post.close()
+    b.post.close()
+
+
+def test_a_part_reaches_its_holder_before_the_next_send(pair: tuple[Holder, Holder]) -> None:
+    a, b = pair
+    a.post.send(0, 10, [1], lambda: b"part of 10", wait=False)
+    a.post.send(0, 12, [1], lambda: b"part of 12" * 1000, wait=True)  # waits for 10's answer
+    assert b.got == [(0, 10, b"part of 10"), (0, 12, b"part of 12" * 1000)]
+    assert b.post.wait_received([0], 12) == []
+    assert not a.post.busy()
+
+
+def test_a_part_that_cannot_be_built_is_announced_as_none(
+    pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner's part did not commit: the holder hears of step 14 without a part, so it
+    does not wait for it."""
+    a, b = pair
+
+    def broken() -> bytes:
+        raise OSError("disk gone")
+
+    a.post.send(0, 14, [1], broken, wait=True)
+    assert b.got == [] and b.post.wait_received([0], 14) == []
+    assert "this process's part cannot be sent: OSError('disk gone')" in caplog.text
+
+
+def test_a_refused_delivery_is_answered_and_logged(
+    pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    b.refuse = "hashes differ"
+    a.post.send(0, 16, [1], lambda: b"bad", wait=True)
+    assert "process 1 did not take this process's part: ValueError: hashes differ" in caplog.text
+    b.refuse = None
+    a.post.send(0, 18, [1], lambda: b"good", wait=True)  # the listener goes on
+    assert b.got == [(0, 18, b"good")]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"not json",
+        b'{"owner": "0", "step": 1}',
+        b'{"owner": true, "step": 1}',
+        b"[1, 2]",
+        b"x" * 5000,
+    ],
+)
+def test_a_crafted_header_is_refused(
+    pair: tuple[Holder, Holder], header: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, b = pair
+    with Client(b.post.address, authkey=b.post.key) as conn:
+        conn.send_bytes(header)
+        conn.send_bytes(b"payload")
+        answer = conn.recv_bytes().decode()
+    assert answer != "ok" and b.got == []
+    assert "was not taken" in caplog.text
+
+
+def test_a_connection_without_the_key_is_refused(
+    pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    with pytest.raises(Exception, match="digest"):
+        Client(b.post.address, authkey=b"guessed")
+    a.post.send(0, 20, [1], lambda: b"after", wait=True)  # the listener goes on
+    assert b.got == [(0, 20, b"after")]
+    assert "refused a connection" in caplog.text
+
+
+def test_a_silent_peer_and_a_missing_part_are_bounded() -> None:
+    """A peer that connects and says nothing is dropped after the timeout; waiting for a part
+    that never comes ends after the timeout too, naming the owner."""
+    b = Holder(timeout=0.5)
+    dropped = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no header within 0.5 s" in record.getMessage():
+                dropped.set()
+
+    seen = Seen()
+    logging.getLogger("cairn").addHandler(seen)
+    try:
+        with Client(b.post.address, authkey=b.post.key):  # says nothing until dropped
+            assert b.post.wait_received([3], 7) == [3]
+            assert dropped.wait(30)
+        done = threading.Event()
+        b.post._deliver = lambda *args: done.set()  # type: ignore[assignment]
+        peers: dict[int, Any] = {1: (b.post.address, b.post.key)}
+        b.post.meet(peers)
+        b.post.send(1, 8, [1], lambda: b"x", wait=True)  # the listener took the next one
+        assert done.is_set()
+    finally:
+        logging.getLogger("cairn").removeHandler(seen)
+        b.post.close()
+
+
+def test_close_stops_the_listener(caplog: pytest.LogCaptureFixture) -> None:
+    b = Holder()
+    b.post.close()
+    assert not b.post._thread.is_alive()
+    with pytest.raises(OSError):
+        Client(b.post.address, authkey=b.post.key)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
