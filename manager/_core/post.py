@@ -18,10 +18,11 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 log = logging.getLogger("cairn")
 
@@ -30,20 +31,23 @@ _HEADER_BYTES = 4096  # a header is a short JSON object: anything longer is refu
 
 
 class Post:
-    """This process's side of moving parts: a listener thread that receives the parts of the
-    processes it holds for, one at a time, and commits each (`deliver`, on that thread); and one
-    sender thread that sends this process's parts to their holders, one save at a time.
+    """This process's side of moving parts: a listener thread that accepts connections, each
+    handled on a thread of its own that receives a part of a process this one holds for and
+    commits it (`deliver`, one commit at a time); and one sender thread that sends this
+    process's parts to their holders, one save at a time. Every read and write on a connection
+    is bounded by `timeout` (a stopped peer, or a stray connection, holds no thread for ever).
 
     Concurrency: `send`, `wait_sent`, `wait_received` and `close` run on the caller thread.
     `send` first waits until the send before it was answered, so at most one part is in
-    flight, and a save returns only once the part before it is held. `deliver` runs on the
-    listener thread and touches only the managers of other processes' parts, which the caller
+    flight, and a save returns only once the part before it is held. `deliver` runs on a
+    receiving thread and touches only the managers of other processes' parts, which the caller
     thread only waits on (drain) or reads after `wait_sent` and a meeting of every process."""
 
     def __init__(self, deliver: Callable[[int, int, bytes], None], timeout: float) -> None:
         self._deliver, self._timeout = deliver, timeout
         self.key = os.urandom(32)
-        self._listener = Listener((reachable_host(), 0), authkey=self.key)
+        self._listener = Listener((reachable_host(), 0))  # authenticated per connection
+        self._delivering = threading.Lock()
         self.address: Address = self._listener.address
         self._peers: dict[int, tuple[Address, bytes]] = {}
         self._received: dict[int, int] = {}  # owner -> the newest step it sent (or had none of)
@@ -98,7 +102,7 @@ class Post:
         for holder in holders:
             try:
                 address, key = self._peers[holder]
-                with Client(address, authkey=key) as conn:
+                with connect(address, key, self._timeout) as conn:
                     conn.send_bytes(header)
                     conn.send_bytes(data)
                     if not conn.poll(self._timeout):
@@ -117,18 +121,33 @@ class Post:
     # ------------------------------------------------------------------ receiving
 
     def _serve(self) -> None:
+        """Accept connections (no handshake here: a stray one that says nothing must not hold
+        the others up), each handled on a thread of its own."""
         while True:
             try:
                 conn = self._listener.accept()
-            except Exception as e:  # a connection without the key, or the listener closed
+            except OSError as e:
                 if self._closing:
                     return
-                log.warning("cairn: the local tier refused a connection: %r", e)
+                log.warning("cairn: the local tier's listener: %r", e)
                 continue
-            with conn:
-                if self._closing:
-                    return
-                self._take(conn)
+            if self._closing:
+                conn.close()
+                return
+            threading.Thread(
+                target=self._handle, args=(conn,), name="cairn-local-receive", daemon=True
+            ).start()
+
+    def _handle(self, conn: Connection) -> None:
+        with conn:
+            try:
+                _bound(conn, self._timeout)
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+            except Exception as e:  # without the key, or silent
+                log.warning("cairn: the local tier refused a connection: %r", e)
+                return
+            self._take(conn)
 
     def _take(self, conn: Connection) -> None:
         owner = step = None  # known once the header is read: then the part is resolved
@@ -146,7 +165,8 @@ class Post:
                 raise TimeoutError(f"no part within {self._timeout:g} s")
             data = conn.recv_bytes()
             if data:
-                self._deliver(owner, step, data)
+                with self._delivering:  # one commit at a time
+                    self._deliver(owner, step, data)
             answer = "ok"
         except Exception as e:
             answer = f"{type(e).__name__}: {e}"
@@ -178,14 +198,37 @@ class Post:
         finally:
             self._sender.shutdown()
             self._closing = True
-            if self._thread.is_alive():  # wake it out of accept(): a connection of its own
-                threading.Thread(target=self._wake, name="cairn-local-wake", daemon=True).start()
-                self._thread.join(self._timeout)
+            with contextlib.suppress(OSError):  # wakes the listener thread out of accept()
+                socket.create_connection(self.address, timeout=self._timeout).close()
+            self._thread.join(self._timeout)
             self._listener.close()
 
-    def _wake(self) -> None:
-        with contextlib.suppress(Exception):
-            Client(self.address, authkey=self.key).close()
+
+def connect(address: Address, key: bytes, timeout: float) -> Connection:
+    """A connection to a listener of `Post`, both sides authenticated with `key` (as
+    `multiprocessing.connection.Client` does), every read and write bounded by `timeout`."""
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.setblocking(True)  # Connection reads the descriptor: the kernel's timeouts bound it
+    conn = Connection(sock.detach())
+    try:
+        _bound(conn, timeout)
+        answer_challenge(conn, key)
+        deliver_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _bound(conn: Connection, timeout: float) -> None:
+    """Every read and write of `conn` fails after `timeout` seconds without progress (the
+    socket's own timeouts, SO_RCVTIMEO and SO_SNDTIMEO): a peer that stops, or a stray
+    connection that says nothing, cannot hold a thread for ever."""
+    whole = max(timeout, 0.001)
+    value = struct.pack("ll", int(whole), int((whole % 1) * 1_000_000))
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, another fd
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def reachable_host() -> str:

@@ -307,13 +307,15 @@ class Local:
     def finish(self, local: _commit.SaveJob, job: _commit.SaveJob) -> None:
         """save() is returning: the part's commit may record the time save() blocked and go
         on; then, with replicas, this process's part, once committed, goes to its holders in
-        the background (`Post`: after the part before it is held; with a synchronous manager,
-        before save() returns)."""
+        the background (`Post`; with a synchronous manager, before save() returns), after the
+        parts of the local step before it are held: this process's by its holders, and those
+        of the processes it holds for, here."""
         local.blocked_s = job.blocked_s
         assert local.settled is not None
         local.settled.set()
-        self._newest = local.step
+        previous, self._newest = self._newest, local.step
         if self._post is not None:
+            self._await_parts(previous)  # so a save returns with the step before it replicated
             me, step = self.procs.index, local.step
             holders = [self.ring.holder(me, k) for k in range(1, self.replicas + 1)]
             executor = self.inner._commits.executor
@@ -322,6 +324,15 @@ class Local:
             else:  # read on the commit thread right after the part's commit, before retention
                 read = executor.submit(self._own_payload, step)
                 self._post.send(me, step, holders, read.result, wait=False)
+
+    def _await_parts(self, step: int | None) -> None:
+        """Until the parts of `step` this process holds for others have come in (at most
+        `barrier_timeout`, then logged)."""
+        assert self._post is not None
+        owners = [q for q in self.managers if q != self.procs.index]
+        late = self._post.wait_received(owners, step) if step is not None else []
+        if late:
+            log.warning("cairn: the parts of step %d of process(es) %s did not come", step, late)
 
     def _own_payload(self, step: int) -> bytes:
         """This process's part of `step`, committed, as one payload."""
@@ -530,15 +541,7 @@ class Local:
         try:
             if self._post is not None:
                 self._post.wait_sent()
-                owners = [q for q in self.managers if q != self.procs.index]
-                if self._newest is not None:
-                    late = self._post.wait_received(owners, self._newest)
-                    if late:
-                        log.warning(
-                            "cairn: closing without the parts of step %d of process(es) %s",
-                            self._newest,
-                            late,
-                        )
+                self._await_parts(self._newest)
         finally:
             try:
                 if self._post is not None:

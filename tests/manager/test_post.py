@@ -7,6 +7,7 @@ nothing) is answered or dropped, logged, and never stops the listener; `wait_rec
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Client
@@ -109,6 +110,15 @@ def test_a_connection_without_the_key_is_refused(
     a.post.send(0, 20, [1], lambda: b"after", wait=True)  # the listener goes on
     assert b.got == [(0, 20, b"after")]
     assert "refused a connection" in caplog.text
+
+
+def test_a_stray_connection_holds_nothing_up(pair: tuple[Holder, Holder]) -> None:
+    """A connection that never answers the challenge (a port scanner, a health check) does
+    not hold up the parts that come after it."""
+    a, b = pair
+    with socket.create_connection(b.post.address):
+        a.post.send(0, 22, [1], lambda: b"through", wait=True)
+        assert b.got == [(0, 22, b"through")]
 
 
 def test_a_silent_peer_and_a_missing_part_are_bounded() -> None:
