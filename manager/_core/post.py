@@ -112,7 +112,7 @@ class Post:
                     raise RuntimeError(answer)
             except Exception as e:  # this replica is missing; the part has its other sources
                 log.error(
-                    "cairn: step %d: process %d did not take this process's part: %s",
+                    "cairn: step %d: process %d did not take this process's part: %r",
                     step,
                     holder,
                     e,
