@@ -16,8 +16,9 @@ Per round, in fresh buckets and directories:
    Each kind twice: the first gives the time to committed; the second (staging memory ready,
    as in a long run) the time ``save()`` blocks and the training time lost: ``save()``, then
    `--train-s` seconds of a stand-in training step (a jitted 384 x 384 matmul, waited for each
-   step), then ``wait_until_finished()``, less the same steps without a save. Each figure is
-   the slowest process's.
+   step), then ``wait_until_finished()``, less the same steps without a save, run just before
+   (this machine's speed drifts by seconds between phases). Each figure is the slowest
+   process's.
 2. Restarts (new processes each), the slowest process's time from opening the manager to the
    restored state (JAX's start-up is the same for every row and is left out):
    ``persistent`` (``<url>/plain``, no local tier: every byte from S3); ``local`` (disks intact:

@@ -96,26 +96,35 @@ def main() -> None:
         meet("baseline")
         t0 = time.monotonic()
         train(steps)
-        times["train_s"] = baseline = time.monotonic() - t0
+        times["train_s"] = time.monotonic() - t0
+
+        def base() -> float:
+            """The same training steps without a save, just before the one measured: this
+            machine's speed drifts by seconds between phases, less between neighbours."""
+            t0 = time.monotonic()
+            train(steps)
+            return time.monotonic() - t0
 
         def measure(mgr: Any, step: int, st: Any, name: str) -> None:
             """The first save (`step`): its time to committed. The second (`step` + 10, its
             staging memory ready, as in a long run): the time save() blocks, and the time
             lost to training: save(), the training steps, the wait for its commit, less the
-            same steps without a save."""
+            same steps without a save, run just before."""
             force = name == "persistent"
             meet(name)
             t0 = time.monotonic()
             assert mgr.save(step, {"state": st}, force=force)
             mgr.wait_until_finished()
             times[f"{name}_commit_s"] = time.monotonic() - t0
+            meet(f"{name}/base")
+            paired = base()
             meet(f"{name}/train")
             t0 = time.monotonic()
             assert mgr.save(step + 10, {"state": st}, force=force)
             times[f"{name}_blocked_s"] = time.monotonic() - t0
             train(steps)
             mgr.wait_until_finished()
-            times[f"{name}_lost_s"] = time.monotonic() - t0 - baseline
+            times[f"{name}_lost_s"] = time.monotonic() - t0 - paired
 
         with CheckpointManager(f"{spec['url']}/plain", barrier_timeout=600) as mgr:
             measure(mgr, 1, st1, "persistent")
@@ -126,7 +135,7 @@ def main() -> None:
             measure(mgr, 2, st2, "both")
         if spec["replicas"]:
             part = rows * cols * 4 * leaves // procs.count
-            times |= transfer_limits(procs, part, meet, lambda: train(steps), baseline)
+            times |= transfer_limits(procs, part, meet, lambda: train(steps), base)
     else:
         if spec.get("wipe") == procs.index:
             shutil.rmtree(f"{spec['local']}/local-{procs.index}", ignore_errors=True)
@@ -158,9 +167,7 @@ def main() -> None:
     jax.distributed.shutdown()
 
 
-def transfer_limits(
-    procs: Any, nbytes: int, meet: Any, train: Any, baseline: float
-) -> dict[str, float]:
+def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -> dict[str, float]:
     """The machine's limits for moving one process's part to another: `permute_s`, a plain
     jitted ppermute of `nbytes` already on the device (JAX's collectives, no host copy, no
     file), each process sending to the next; `socket_lost_s`, the training time lost while a
@@ -218,6 +225,8 @@ def transfer_limits(
             for at in range(0, nbytes, piece):
                 conn.send_bytes(memoryview(data)[at : at + piece])
 
+    meet("limit/base")
+    baseline = base()
     meet("limit/socket")
     threads = [threading.Thread(target=receive), threading.Thread(target=transmit)]
     t0 = time.monotonic()
