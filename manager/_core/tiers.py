@@ -63,8 +63,8 @@ class LocalTier:
     belongs to the persistent tier, which survives the host). `keep`: its retention, applied to
     each process's parts and to the replicas it holds (the newest step is always kept).
     `replicas`: how many other processes also hold each process's part, sent to them in the
-    background after each local save (`post.Post`); with 0, a process whose local directory is lost gets its part from
-    the persistent tier. Holders are chosen in other failure domains than the owner where the
+    background after each local save (`post.Post`); with 0, a process whose local directory
+    is lost gets its part from the persistent tier. Holders are chosen in other failure domains than the owner where the
     processes tell any apart: `failure_domain` (this process's rack, zone, ...; give it on every
     process or on none), then the TPU slice, then the host (`replicas.Ring`).
     `storage_options`: as the manager's, for the local directory.
@@ -166,9 +166,14 @@ class Local:
         me, count = together.procs.index, together.procs.count
         timeout = options.barrier_timeout
         local: list[Local] = []  # the instance, for the listener's deliveries
-        post = None
-        if min(tier.replicas, count - 1) > 0:
-            post = Post(lambda owner, step, data: local[0].deliver(owner, step, data), timeout)
+        opened = threading.Event()  # (a part may come in before the instance is there)
+
+        def deliver(owner: int, step: int, data: bytes) -> None:
+            if not opened.wait(timeout):
+                raise RuntimeError("the local tier of this process did not open")
+            local[0].deliver(owner, step, data)
+
+        post = Post(deliver, timeout) if min(tier.replicas, count - 1) > 0 else None
         ring = _ring(tier, together, timeout, post)
         # the owners whose parts this process holds: it is their k-th holder
         owners = [me] + [ring.owner(me, k) for k in range(1, min(tier.replicas, count - 1) + 1)]
@@ -192,6 +197,7 @@ class Local:
                     # its commits and restores under the local tier's names, not Orbax's
                     managers[owner]._telemetry.local_tier(options.tensorboard_dir, own=owner == me)
             local.append(cls(tier, managers, together, ring, post))
+            opened.set()
             return local[0]
         except BaseException:
             if post is not None:
