@@ -43,8 +43,10 @@ class Post:
     receiving thread and touches only the managers of other processes' parts, which the caller
     thread only waits on (drain) or reads after `wait_sent` and a meeting of every process."""
 
-    def __init__(self, deliver: Callable[[int, int, bytes], None], timeout: float) -> None:
-        self._deliver, self._timeout = deliver, timeout
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._deliver: Callable[[int, int, bytes], None] | None = None  # set by `open`
+        self._opened = threading.Event()
         self.key = os.urandom(32)
         self._listener = Listener((reachable_host(), 0))  # authenticated per connection
         self._delivering = threading.Lock()
@@ -61,6 +63,13 @@ class Post:
     def meet(self, peers: dict[int, tuple[Address, bytes]]) -> None:
         """Every other process's listener address and key (gathered at open)."""
         self._peers = dict(peers)
+
+    def open(self, deliver: Callable[[int, int, bytes], None]) -> None:
+        """Hand the parts received to `deliver` (one that came in before waited for this, at
+        most `timeout`): the listener listens as soon as the Post exists, for its address is
+        published before the local tier it delivers to has opened its managers."""
+        self._deliver = deliver
+        self._opened.set()
 
     # ------------------------------------------------------------------ sending
 
@@ -165,6 +174,11 @@ class Post:
                 raise TimeoutError(f"no part within {self._timeout:g} s")
             data = conn.recv_bytes()
             if data:
+                if not self._opened.is_set():
+                    log.info("cairn: a part of process %d came before the local tier opened", owner)
+                if not self._opened.wait(self._timeout):
+                    raise RuntimeError("this process's local tier did not open")
+                assert self._deliver is not None
                 with self._delivering:  # one commit at a time
                     self._deliver(owner, step, data)
             answer = "ok"

@@ -164,21 +164,13 @@ class Local:
     ) -> Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
-        timeout = options.barrier_timeout
-        local: list[Local] = []  # the instance, for the listener's deliveries
-        opened = threading.Event()  # (a part may come in before the instance is there)
-
-        def deliver(owner: int, step: int, data: bytes) -> None:
-            if not opened.wait(timeout):
-                raise RuntimeError("the local tier of this process did not open")
-            local[0].deliver(owner, step, data)
-
-        post = Post(deliver, timeout) if min(tier.replicas, count - 1) > 0 else None
-        ring = _ring(tier, together, timeout, post)
-        # the owners whose parts this process holds: it is their k-th holder
-        owners = [me] + [ring.owner(me, k) for k in range(1, min(tier.replicas, count - 1) + 1)]
+        replicas = min(tier.replicas, count - 1)
+        post = Post(options.barrier_timeout) if replicas > 0 else None
         managers: dict[int, Any] = {}
         try:
+            ring = _ring(tier, together, options.barrier_timeout, post)
+            # the owners whose parts this process holds: it is their k-th holder
+            owners = [me] + [ring.owner(me, k) for k in range(1, replicas + 1)]
             with alone():
                 for owner in owners:
                     managers[owner] = make(
@@ -196,9 +188,10 @@ class Local:
                     )
                     # its commits and restores under the local tier's names, not Orbax's
                     managers[owner]._telemetry.local_tier(options.tensorboard_dir, own=owner == me)
-            local.append(cls(tier, managers, together, ring, post))
-            opened.set()
-            return local[0]
+            local = cls(tier, managers, together, ring, post)
+            if post is not None:
+                post.open(local.deliver)  # (a part that came in meanwhile waited for this)
+            return local
         except BaseException:
             if post is not None:
                 post.close()

@@ -11,9 +11,9 @@ import socket
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Client
-from typing import Any
 
 import pytest
+from support.logwait import logged
 
 from cairn.manager._core.post import Post
 
@@ -24,7 +24,8 @@ class Holder:
     def __init__(self, timeout: float = 5.0) -> None:
         self.got: list[tuple[int, int, bytes]] = []
         self.refuse: str | None = None
-        self.post = Post(self.deliver, timeout)
+        self.post = Post(timeout)
+        self.post.open(self.deliver)
 
     def deliver(self, owner: int, step: int, data: bytes) -> None:
         if self.refuse:
@@ -127,28 +128,61 @@ def test_a_silent_peer_and_a_missing_part_are_bounded() -> None:
     """A peer that connects and says nothing is dropped after the timeout; waiting for a part
     that never comes ends after the timeout too, naming the owner."""
     b = Holder(timeout=0.5)
-    dropped = threading.Event()
-
-    class Seen(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "no header within 0.5 s" in record.getMessage():
-                dropped.set()
-
-    seen = Seen()
-    logging.getLogger("cairn").addHandler(seen)
     try:
-        with Client(b.post.address, authkey=b.post.key):  # says nothing until dropped
+        # a peer that says nothing until dropped
+        with (
+            logged("no header within 0.5 s") as dropped,
+            Client(b.post.address, authkey=b.post.key),
+        ):
             assert b.post.wait_received([3], 7) == [3]
             assert dropped.wait(30)
-        done = threading.Event()
-        b.post._deliver = lambda *args: done.set()  # type: ignore[assignment]
-        peers: dict[int, Any] = {1: (b.post.address, b.post.key)}
-        b.post.meet(peers)
+        b.post.meet({1: (b.post.address, b.post.key)})
         b.post.send(1, 8, [1], lambda: b"x", wait=True)  # the listener took the next one
-        assert done.is_set()
+        assert b.got == [(1, 8, b"x")]
     finally:
-        logging.getLogger("cairn").removeHandler(seen)
         b.post.close()
+
+
+def test_a_holder_that_does_not_answer_is_given_up(pair: tuple[Holder, Holder]) -> None:
+    """A holder stuck in its commit: the sender waits `timeout` for the answer, logs that the
+    replica is missing, and the next save's send goes on."""
+    a, b = pair
+    a.post._timeout = 0.5  # the sender's patience (the holder's own timeout stays 5 s)
+    stuck, release = threading.Event(), threading.Event()
+
+    def slow(owner: int, step: int, data: bytes) -> None:
+        stuck.set()
+        assert release.wait(30)
+
+    b.post.open(slow)
+    try:
+        with logged("process 1 did not take this process's part: TimeoutError") as gave_up:
+            a.post.send(0, 24, [1], lambda: b"late", wait=True)
+            assert stuck.is_set() and gave_up.is_set()
+    finally:
+        release.set()
+
+
+def test_a_part_that_comes_before_the_tier_opened_waits_for_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The listener listens as soon as its address is published, before the local tier it
+    delivers to is open: a part that comes in meanwhile is delivered once it is."""
+    caplog.set_level(logging.INFO, logger="cairn")
+    early = Post(5.0)
+    sender = Holder()
+    try:
+        sender.post.meet({1: (early.address, early.key)})
+        with logged("came before the local tier opened") as waiting:
+            sender.post.send(0, 26, [1], lambda: b"early", wait=False)
+            assert waiting.wait(30)
+        got: list[tuple[int, int, bytes]] = []
+        early.open(lambda *part: got.append(part))
+        sender.post.wait_sent()
+        assert got == [(0, 26, b"early")]
+    finally:
+        sender.post.close()
+        early.close()
 
 
 def test_close_stops_the_listener(caplog: pytest.LogCaptureFixture) -> None:

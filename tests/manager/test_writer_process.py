@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import writer_trainer
+from support.logwait import logged
 from support.writer_items import Killer, Raiser
 
 from cairn.handlers import InMemoryHandler
@@ -652,26 +653,17 @@ def test_a_restarted_trainer_waits_for_the_old_writer_then_finds_its_step(
         directory = f"{request.getfixturevalue('s3_bucket')}/run"
     logs = tmp_path / "trainer"
     writer = int(run_trainer(directory, "7", "2", "--gate", str(fifo), logs=logs)["WRITER"])
-    waiting = threading.Event()
-
-    class Watch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "is finishing its commits; waiting for it" in record.getMessage():
-                waiting.set()
-
-    watch = Watch()
-    logging.getLogger("cairn").addHandler(watch)
     opened: list[Any] = []
     thread = threading.Thread(target=lambda: opened.append(CheckpointManager(directory)))
     try:
-        thread.start()
-        assert waiting.wait(60), "the new trainer did not wait for the old writer"
+        with logged("is finishing its commits; waiting for it") as waiting:
+            thread.start()
+            assert waiting.wait(60), "the new trainer did not wait for the old writer"
         with open(fifo, "wb") as gate:  # let the old writer finish its commit
             gate.write(b"x")
         thread.join(120)
         assert not thread.is_alive()
     finally:
-        logging.getLogger("cairn").removeHandler(watch)
         if thread.is_alive():  # failed: end the old writer so the waiting thread ends too
             with contextlib.suppress(ProcessLookupError):
                 os.kill(writer, signal.SIGKILL)
