@@ -19,12 +19,14 @@ Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`
 MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
 them (nothing, or the handler's own value, where a snapshot or handler lacks one):
 `settle_snapshot`, `release_snapshot`, `snapshot_version`, `share_snapshot`, `check_item`.
-A local tier's parts (each process's own shards of a step): `as_parts`.
+A local tier's parts (each process's own shards of a step): `as_parts`, and `MemorySource`
+(a part received for a restore, read from memory).
 """
 
 from cairn.handlers._files import (
     BACKGROUND_NICE,
     KnownFiles,
+    MemorySource,
     RangeHashes,
     Ranges,
     WriteBudget,
@@ -60,6 +62,7 @@ __all__ = [
     "ORBAX_COMMIT_SUCCESS",
     "ORBAX_STEP_METADATA",
     "KnownFiles",
+    "MemorySource",
     "RangeHashes",
     "Ranges",
     "Slab",

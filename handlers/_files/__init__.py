@@ -33,7 +33,7 @@ from cairn.handlers._files.records import (
     content_hash,
     parse_json,
 )
-from cairn.handlers._files.source import LocalSource, Source, StoredItem
+from cairn.handlers._files.source import LocalSource, MemorySource, Source, StoredItem
 from cairn.handlers._files.threads import (
     BACKGROUND_NICE,
     WriteBudget,
@@ -57,6 +57,7 @@ __all__ = [
     "KnownFiles",
     "LocalDestination",
     "LocalSource",
+    "MemorySource",
     "RangeHashes",
     "Ranges",
     "Source",

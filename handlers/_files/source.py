@@ -12,14 +12,16 @@ import dataclasses
 import errno
 import functools
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from cairn.handlers._files.localio import open_regular
-from cairn.handlers._files.records import NOT_THE_CHUNK, FileRecord, content_hash
+from cairn.handlers._files.records import NOT_THE_CHUNK, FileRecord, check_relative, content_hash
 from cairn.handlers.errors import CorruptCheckpointError
 
 PROBE_MIN = 1 << 20  # files of an object store whose size `StoredItem.check_files` checks
@@ -219,6 +221,62 @@ class LocalSource(Source):
             return total
         finally:
             os.close(fd)
+
+
+class MemorySource(Source):
+    """An item's files held in memory (a part sent back for a restore): a handler reads them as
+    it reads a directory's, every read a copy out of them, checked by the reader as any other."""
+
+    def __init__(self, files: Mapping[str, memoryview], where: str) -> None:
+        self._files, self._where = files, where
+        self._local: Path | None = None
+
+    def describe(self, relpath: str) -> str:
+        return f"{self._where}/{relpath}"
+
+    def _view(self, relpath: str) -> memoryview:
+        view = self._files.get(relpath)
+        if view is None:
+            raise FileNotFoundError(self.describe(relpath))
+        return view
+
+    def size(self, relpath: str) -> int:
+        return self._view(relpath).nbytes
+
+    def read(self, relpath: str, size: int) -> bytes:
+        return bytes(self._view(relpath)[: size + 1])
+
+    def read_at(self, relpath: str, size: int, offset: int, nbytes: int) -> bytes:
+        return bytes(self._view(relpath)[offset : offset + nbytes])
+
+    def readinto_at(
+        self, relpath: str, size: int, offset: int, buffers: Sequence[memoryview]
+    ) -> int:
+        total = sum(memoryview(b).nbytes for b in buffers)
+        return _scatter(self._view(relpath)[offset : offset + total], buffers)
+
+    def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
+        view = self._view(relpath)
+        return self.readinto_at(relpath, view.nbytes, 0, buffers) + (
+            view.nbytes > sum(memoryview(b).nbytes for b in buffers)
+        )
+
+    def local_directory(self, relpaths: Sequence[str] = ()) -> Path:
+        """The files written into a private temporary directory (`release` removes it), for
+        handlers that read through a library that wants a path."""
+        if self._local is None:
+            self._local = Path(tempfile.mkdtemp(prefix="cairn-part-"))
+        for relpath in relpaths:
+            check_relative(relpath)
+            target = self._local / relpath
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(self._view(relpath))
+        return self._local
+
+    def release(self) -> None:
+        if self._local is not None:
+            shutil.rmtree(self._local, ignore_errors=True)
+            self._local = None
 
 
 def _scatter(data: bytes | memoryview, buffers: Sequence[memoryview]) -> int:

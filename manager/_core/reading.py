@@ -22,7 +22,7 @@ from cairn.handlers.errors import (
     StepNotFoundError,
     UnsupportedFormatError,
 )
-from cairn.handlers.io import as_parts, check_item, chunks_by_pack, parse_json
+from cairn.handlers.io import MemorySource, as_parts, check_item, chunks_by_pack, parse_json
 from cairn.manager._core.catalog import Catalog, StepRecord, read_record
 from cairn.manager._core.multihost import Processes
 from cairn.manager._core.telemetry import Telemetry
@@ -206,13 +206,35 @@ class Reader:
     def restore(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
         t0 = time.monotonic()
         restored = self._read_items(step, wanted)
-        seconds = time.monotonic() - t0
+        self._restored(step, time.monotonic() - t0)
+        return restored
+
+    def restore_part(
+        self,
+        manifest: Manifest,
+        files: Mapping[str, Mapping[str, memoryview]],
+        wanted: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The wanted items (None: all) of a step not in the directory: a local tier's part
+        received from another process, `files` by item and path, read from memory."""
+        t0, step = time.monotonic(), manifest.step
+        items = wanted if wanted is not None else {n: None for n in files}
+        where = f"{self._where} (step {step}, received)"
+
+        def stored(name: str) -> StoredItem:
+            records = {f.path: f for f in manifest.items[name].files}
+            return StoredItem(MemorySource(files.get(name, {}), where), records, step, name)
+
+        restored = self._read_once(step, manifest, items, stored)
+        self._restored(step, time.monotonic() - t0)
+        return restored
+
+    def _restored(self, step: int, seconds: float) -> None:
         self._catalog.restored(step, seconds)
         log.info("cairn: restored step %d in %.1f ms", step, seconds * 1e3)
         if self.telemetry is not None:
             with contextlib.suppress(Exception):
                 self.telemetry.restored(step, seconds)
-        return restored
 
     def _read_items(self, step: int, wanted: dict[str, Any] | None) -> dict[str, Any]:
         """The wanted items of a step (None: every item it has), read with the manifest this
@@ -241,7 +263,15 @@ class Reader:
             f"step {step} in {self._where} changed {_REREADS} times while being read"
         )
 
-    def _read_once(self, step: int, manifest: Manifest, wanted: dict[str, Any]) -> dict[str, Any]:
+    def _read_once(
+        self,
+        step: int,
+        manifest: Manifest,
+        wanted: dict[str, Any],
+        stored: Callable[[str], StoredItem] | None = None,
+    ) -> dict[str, Any]:
+        """The wanted items of `manifest`'s step, each read by its handler from `stored(name)`
+        (the directory's files by default)."""
         for name in wanted:
             entry = manifest.items.get(name)
             if entry is None:
@@ -264,20 +294,20 @@ class Reader:
                     f"item {name!r} of step {step} was written by {entry.handler!r} version "
                     f"{entry.version}; this cairn has version {handler.version}"
                 )
-            stored = self._stored(step, name, manifest)
-            stored.check_files()  # a missing or truncated file fails before any parsing
+            item = stored(name) if stored is not None else self._stored(step, name, manifest)
+            item.check_files()  # a missing or truncated file fails before any parsing
             try:
                 with (
                     writing_as(self._me.index, self._me.count),  # per-process data: this one's
                     as_parts(PART in manifest.metadata),  # a local tier's part: this process's
                 ):
-                    restored[name] = handler.restore(stored, target)
+                    restored[name] = handler.restore(item, target)
             except FileNotFoundError as e:  # a file vanished after check_files
                 raise CorruptCheckpointError(
                     f"step {step}, item {name!r}: {e.filename or e} is missing"
                 ) from None
             finally:
-                stored.source.release()  # a foreign item's download, on an object store
+                item.source.release()  # a foreign item's download, on an object store
         return restored
 
     def _stored(self, step: int, name: str, manifest: Manifest) -> StoredItem:

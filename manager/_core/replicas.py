@@ -1,37 +1,22 @@
-"""Moving a local tier's parts between processes: who holds whose part (`Ring`), a part as one
-payload (its manifest and files, `pack_part` / `unpack_part`), a restore's transfer
-(`exchange`), and the job that commits a received part (`received_job`), whose files must hash
-as the owner's manifest says before it is committed. (Replicas sent after a save travel over
-`post.Post`, in the background.)
-
-A restore's bytes move through JAX's own cross-process collectives: a ``ppermute`` of uint8
-pieces over a mesh of one device per process (gloo between CPU processes, the accelerator
-interconnect elsewhere), no wire protocol of ours. Every process makes the same calls in the
-same order on its caller thread, blocking on each piece: two threads issuing collectives can
-pair them up differently on two processes and deadlock, and undrained dispatches pile up
-(research, docs/design/multitier-research.md section 4).
+"""Moving a local tier's parts between processes: who holds whose part (`Ring`), a part as
+the pieces `post.Post` sends (its manifest, then its files: `pack_part` / `unpack_part`), a
+part received checked against its owner's manifest (`checked_files`), and the job that commits
+a received part (`received_job`), whose files must hash as the owner's manifest says before it
+is committed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from cairn.handlers import Destination, FileRecord
 from cairn.handlers.errors import CorruptCheckpointError
-from cairn.handlers.io import optional
 from cairn.manager._core import commit as _commit
+from cairn.manager._core.post import Piece
 from cairn.manager._format import Manifest
-
-PIECE_BYTES = 64 << 20  # sent per collective call: bounds the device memory a transfer takes
-_HEADER = struct.Struct("<Q")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,107 +85,69 @@ def _alternate(procs: list[int], domains: Sequence[Sequence[str]], level: int) -
     return out
 
 
-def pack_part(manifest: Manifest, files: Sequence[tuple[str, str, bytes]]) -> bytes:
-    """One payload: a header (the manifest's bytes, each file's item, path and size), then the
-    files' bytes, in order."""
+def pack_part(manifest: Manifest, files: Sequence[tuple[str, str, Piece]]) -> list[Piece]:
+    """A part as the pieces `post.Post` sends: a header (the manifest's bytes, each file's item
+    and path), then each file (bytes, or a `FilePiece` sent straight from the disk)."""
     header = json.dumps(
         {
             "step": manifest.step,
             "manifest": manifest.to_bytes().decode(),
-            "files": [[item, path, len(data)] for item, path, data in files],
+            "files": [[item, path] for item, path, _ in files],
         }
     ).encode()
-    return b"".join([_HEADER.pack(len(header)), header, *(data for _, _, data in files)])
+    return [header, *(data for _, _, data in files)]
 
 
-def unpack_part(
-    payload: bytes | memoryview,
-) -> tuple[dict[str, Any], list[tuple[str, str, memoryview]]]:
-    """The header and (item, path, bytes) of each file of a payload; CorruptCheckpointError if
-    it does not hold together (its sizes, its JSON)."""
-    view = memoryview(payload)
+#: a part's files, by item and path
+Files = dict[str, dict[str, memoryview]]
+
+
+def unpack_part(pieces: Sequence[memoryview]) -> tuple[dict[str, Any], Files]:
+    """The header and the files of a part received; CorruptCheckpointError if it does not hold
+    together (its JSON, a file per piece, no file twice)."""
     try:
-        (size,) = _HEADER.unpack_from(view)
-        header = json.loads(bytes(view[_HEADER.size : _HEADER.size + size]))
-        at = _HEADER.size + size
-        files = []
-        for item, path, n in header["files"]:
-            if not (isinstance(item, str) and isinstance(path, str) and isinstance(n, int)):
-                raise ValueError(f"file entry {item!r}, {path!r}, {n!r}")
-            files.append((item, path, view[at : at + n]))
-            at += n
-        if at != len(view) or any(
-            len(data) != n for (_, _, data), (_, _, n) in zip(files, header["files"], strict=True)
-        ):
-            raise ValueError(f"{len(view)} bytes, the header accounts for {at}")
-    except (ValueError, KeyError, TypeError, struct.error) as e:
+        if not pieces:
+            raise ValueError("no header")
+        header = json.loads(bytes(pieces[0]))
+        if not isinstance(header, dict) or not isinstance(header.get("manifest"), str):
+            raise ValueError(f"header {header!r:.80}")
+        entries = header["files"]
+        if not isinstance(entries, list) or len(entries) != len(pieces) - 1:
+            raise ValueError(f"{len(pieces) - 1} files, the header lists {entries!r:.80}")
+        files: Files = {}
+        for entry, data in zip(entries, pieces[1:], strict=True):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(name, str) for name in entry)
+            ):
+                raise ValueError(f"file entry {entry!r:.80}")
+            item, path = entry
+            if path in files.setdefault(item, {}):
+                raise ValueError(f"file {path!r:.80} of item {item!r:.80} comes twice")
+            files[item][path] = data
+    except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(
             f"a part received from another process is damaged: {e}"
         ) from None
     return header, files
 
 
-def exchange(
-    procs: Any, pairs: Sequence[tuple[int, int]], payload: bytes, sizes: Sequence[int]
-) -> memoryview | None:
-    """One round of transfers: each (source, destination) pair sends the source's `payload`
-    (`sizes[p]` bytes on process p, known to all) to the destination, every process calling
-    alike. Sources are distinct, and so are destinations. Returns what this process received,
-    or None."""
-    jax = optional("jax", feature="a local tier with replicas")
-    count, me = procs.count, procs.index
-    pairs = tuple(sorted(pairs))
-    sending = {s for s, _ in pairs}
-    largest = max((sizes[s] for s in sending), default=0)
-    if largest == 0:
-        return memoryview(b"") if any(d == me for _, d in pairs) else None
-    piece = min(PIECE_BYTES, -(-largest // 4096) * 4096)
-    mesh, device = _mesh(count, me)
-    step = _permute(mesh, pairs, piece)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
-    source = next((s for s, d in pairs if d == me), None)
-    out = np.empty(sizes[source], np.uint8) if source is not None else None
-    data = np.frombuffer(payload, np.uint8) if me in sending else np.empty(0, np.uint8)
-    buffer = np.zeros(piece, np.uint8)
-    for k in range(math.ceil(largest / piece)):
-        chunk = data[k * piece : (k + 1) * piece]
-        if len(chunk) == piece:  # sent as it is: device_put copies it
-            local = jax.device_put(chunk, device)
-        else:
-            buffer[: len(chunk)] = chunk
-            buffer[len(chunk) :] = 0
-            local = jax.device_put(buffer, device)
-        whole = jax.make_array_from_single_device_arrays((count * piece,), sharding, [local])
-        got = step(whole)
-        got.block_until_ready()  # one piece at a time: undrained dispatches pile up
-        if out is not None:
-            start = k * piece
-            end = min(len(out), start + piece)
-            if end > start:
-                out[start:end] = np.asarray(got.addressable_data(0))[: end - start]
-    return out.data if out is not None else None
-
-
-@functools.cache
-def _mesh(count: int, me: int) -> tuple[Any, Any]:
-    """A mesh of one device per process (each process's first), and this process's device."""
-    jax = optional("jax", feature="a local tier with replicas")
-    first = [
-        min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-        for p in range(count)
-    ]
-    return jax.sharding.Mesh(np.array(first), ("p",)), first[me]
-
-
-@functools.lru_cache(maxsize=32)
-def _permute(mesh: Any, pairs: tuple[tuple[int, int], ...], piece: int) -> Any:
-    jax = optional("jax", feature="a local tier with replicas")
-    spec = jax.sharding.PartitionSpec("p")
-
-    def shift(x: Any) -> Any:
-        return jax.lax.ppermute(x, "p", list(pairs))
-
-    return jax.jit(jax.shard_map(shift, mesh=mesh, in_specs=spec, out_specs=spec))
+def check_files(files: Files, manifest: Manifest, *, content: bool) -> None:
+    """A received part holds the files its manifest lists for each live item, and no other
+    (CorruptCheckpointError); with `content`, each of its recorded size and content hash."""
+    live = {n: e for n, e in manifest.items.items() if not e.dropped}
+    for item in set(files) | set(live):
+        records = {f.path: f for f in live[item].files} if item in live else {}
+        got = files.get(item, {})
+        if set(got) != set(records):
+            raise CorruptCheckpointError(
+                f"a received part of step {manifest.step} holds files {sorted(got)[:5]} of item "
+                f"{item!r}; its manifest lists {sorted(records)[:5]}"
+            )
+        if content:
+            for path, data in got.items():
+                records[path].check(data, f"file {path} of item {item!r} of a received part")
 
 
 class _Stand:
@@ -213,16 +160,12 @@ class _Stand:
 class _Files:
     """An item's files as received: each written, then checked against the owner's record."""
 
-    def __init__(self, files: list[tuple[str, memoryview]], records: Mapping[str, FileRecord]):
+    def __init__(self, files: Mapping[str, memoryview], records: Mapping[str, FileRecord]):
         self._files, self._records = files, records
 
     def write(self, dest: Destination) -> list[FileRecord]:
         written = []
-        if {path for path, _ in self._files} != set(self._records):
-            raise CorruptCheckpointError(
-                "a received part does not hold the files its manifest lists"
-            )
-        for path, data in self._files:
+        for path, data in self._files.items():
             record = dest.write_file(path, data)
             want = self._records[path]
             if (record.size, record.crc32c, record.xxh3_128) != (
@@ -237,25 +180,18 @@ class _Files:
         return written
 
 
-def received_job(files: list[tuple[str, str, memoryview]], manifest: Manifest) -> _commit.SaveJob:
+def received_job(manifest: Manifest, files: Files) -> _commit.SaveJob:
     """A save job that commits a received part as its owner committed it: the same items,
     files, metrics and metadata; each file checked against the owner's manifest."""
-    by_item: dict[str, list[tuple[str, memoryview]]] = {}
-    for item, path, data in files:
-        by_item.setdefault(item, []).append((path, data))
-    snapshots: dict[str, Any] = {}
-    for item, entry in manifest.items.items():
-        if entry.dropped:
-            continue
-        records = {f.path: f for f in entry.files}
-        snapshots[item] = (
+    check_files(files, manifest, content=False)  # the content: as each file is written
+    snapshots: dict[str, Any] = {
+        item: (
             _Stand(entry.handler, entry.version),
-            _Files(by_item.pop(item, []), records),
+            _Files(files.get(item, {}), {f.path: f for f in entry.files}),
         )
-    if by_item:
-        raise CorruptCheckpointError(
-            f"a received part has files of items its manifest lacks: {sorted(by_item)}"
-        )
+        for item, entry in manifest.items.items()
+        if not entry.dropped
+    }
     return _commit.SaveJob(
         step=manifest.step,
         tmp_name=None,

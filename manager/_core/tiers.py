@@ -14,6 +14,7 @@ persistent tier too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from cairn.handlers import LocalSource
 from cairn.handlers.errors import CorruptCheckpointError, PartMismatchError, StepNotFoundError
 from cairn.handlers.io import share_snapshot
 from cairn.manager._core import commit as _commit
@@ -39,7 +41,7 @@ from cairn.manager._core.policies import (
     policy_kind,
     policy_wants,
 )
-from cairn.manager._core.post import Post
+from cairn.manager._core.post import FilePiece, Piece, Post
 from cairn.manager._core.replicas import Ring
 from cairn.manager._format import PART, Manifest
 from cairn.manager._storage.base import check_directory
@@ -129,12 +131,13 @@ class Local:
 
     Concurrency: called on the outer manager's caller thread, in the same order on every
     process (`wants`, `save`, `finish`, `restore` make collective calls through the outer
-    `Coordinator`, and a restore's transfers are JAX collectives, made there too); each
-    manager's commit thread writes and commits its parts, then applies its retention. With
-    replicas, `Post`'s sender thread reads this process's committed parts (`_own_payload`) and
-    its listener thread commits the parts received (`deliver`) into the managers of other
-    processes' parts, which the caller thread only drains until a restore has met every
-    process after its sends were answered (`_settle`)."""
+    `Coordinator`); each manager's commit thread writes and commits its parts, then applies
+    its retention. With replicas, `Post`'s sender thread opens this process's committed parts
+    (`_own_payload`, on the commit thread right after the commit) and sends them, and in a
+    restore the replicas the plan reads (`_send_back`); its receiving threads commit the parts
+    received (`deliver`) into the managers of other processes' parts, which the caller thread
+    only drains until a restore has met every process after its sends were answered
+    (`_settle`), and keep a part sent back until the caller thread takes it (`_fetched`)."""
 
     def __init__(
         self,
@@ -165,7 +168,7 @@ class Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
         replicas = min(tier.replicas, count - 1)
-        post = Post(options.barrier_timeout) if replicas > 0 else None
+        post = Post(options.barrier_timeout, me) if replicas > 0 else None
         managers: dict[int, Any] = {}
         try:
             ring = _ring(tier, together, options.barrier_timeout, post)
@@ -333,21 +336,19 @@ class Local:
         if late:
             log.warning("cairn: the parts of step %d of process(es) %s did not come", step, late)
 
-    def _own_payload(self, step: int) -> bytes:
-        """This process's part of `step`, committed, as one payload."""
+    def _own_payload(self, step: int) -> list[Piece]:
+        """This process's part of `step`, committed, as the pieces `Post` sends."""
         if self.inner._catalog.get(step) is None:
             raise StepNotFoundError(f"this process's part of step {step} did not commit")
         return self._payload(self.inner, step)
 
-    def deliver(self, owner: int, step: int, data: bytes) -> None:
-        """On the listener thread: commit `owner`'s part of `step`, received, into this
+    def deliver(self, owner: int, step: int, pieces: list[memoryview]) -> None:
+        """On a receiving thread: commit `owner`'s part of `step`, received, into this
         process's directory of its parts (every file checked against the owner's manifest)."""
         if owner == self.procs.index or owner not in self.managers:
             raise ValueError(f"this process holds no parts of process {owner}")
-        job = self._received(owner, memoryview(data))
-        if job.step != step:
-            raise CorruptCheckpointError(f"a part sent as step {step} is step {job.step}")
-        _commit_part(self.managers[owner], job, now=True)
+        manifest, files = self._received(owner, step, pieces)
+        _commit_part(self.managers[owner], replicas.received_job(manifest, files), now=True)
 
     def _settle(self) -> None:
         """Every process's part in flight is held (its holders answered): a meeting."""
@@ -355,22 +356,36 @@ class Local:
             self._post.wait_sent()
             self._gather("local/sent", "")
 
-    def _payload(self, manager: Any, step: int) -> bytes:
-        """A committed part as one payload, each file checked against its record as it is read."""
+    def _payload(self, manager: Any, step: int) -> list[Piece]:
+        """A committed part as the pieces `Post` sends: each file of a local directory opened
+        (checked to be the regular file of the recorded size) and sent from the disk as it is,
+        for its receiver checks every file; a file of an object store read and checked."""
         reader = manager._reader
         manifest = reader.manifest(step)
-        files = []
-        for item, entry in manifest.items.items():
-            if entry.dropped:
-                continue
-            stored = reader._stored(step, item, manifest)
-            files += [(item, f.path, stored.read_bytes(f.path)) for f in entry.files]
+        files: list[tuple[str, str, Piece]] = []
+        try:
+            for item, entry in manifest.items.items():
+                if entry.dropped:
+                    continue
+                stored = reader._stored(step, item, manifest)
+                for f in entry.files:
+                    if isinstance(stored.source, LocalSource):
+                        files.append((item, f.path, FilePiece(stored.open_file(f.path), f.size)))
+                    else:
+                        files.append((item, f.path, stored.read_bytes(f.path)))
+        except BaseException:
+            for _, _, piece in files:
+                if isinstance(piece, FilePiece):
+                    os.close(piece.fd)
+            raise
         return replicas.pack_part(manifest, files)
 
-    def _received(self, owner: int, payload: memoryview) -> _commit.SaveJob:
-        """The job that commits a part of `owner` received from another process; what its
-        header says is checked against the part's own record first."""
-        header, files = replicas.unpack_part(payload)
+    def _received(
+        self, owner: int, step: int, pieces: list[memoryview]
+    ) -> tuple[Manifest, replicas.Files]:
+        """A part of `owner`'s `step` received from another process: its manifest (whose part
+        record must say so) and files, not yet checked."""
+        header, files = replicas.unpack_part(pieces)
         manifest = Manifest.from_bytes(header["manifest"].encode(), f"a part of process {owner}")
         part = manifest.metadata.get(PART)
         if not isinstance(part, dict) or (part.get("process"), part.get("processes")) != (
@@ -380,7 +395,9 @@ class Local:
             raise CorruptCheckpointError(
                 f"a part received as process {owner}'s records {part!r} (step {manifest.step})"
             )
-        return replicas.received_job(files, manifest)
+        if manifest.step != step:
+            raise CorruptCheckpointError(f"a part sent as step {step} is step {manifest.step}")
+        return manifest, files
 
     def _save_id(self) -> str:
         """An id for one save, the same on every process (a collective call's name)."""
@@ -398,9 +415,10 @@ class Local:
     ) -> tuple[int, dict[str, Any]]:
         """Restore the newest step (or `step`) every process can get its part of: the plan is
         the primary's (`decide.plan`), from every process's listing and the persistent steps;
-        the parts that come from peers are sent, and committed into their owners' directories;
-        each process reads its source; all vote, and a source that failed is struck out and
-        the decision taken again. Parts above the step restored are then deleted (a timeline
+        each process reads its source, a part that comes from a peer from memory as it came
+        (every file checked first); all vote, and a source that failed is struck out and the
+        decision taken again. A part that came from a peer is then committed into its owner's
+        directory on its commit thread. Parts above the step restored are then deleted (a timeline
         the run left). Returns (step, items)."""
         self._settle()
         for manager in self.managers.values():
@@ -424,17 +442,24 @@ class Local:
                 )
             at, sources = int(plan["step"]), plan["sources"]
             restored: dict[str, Any] = {}
-            error = self._fetch(at, sources)
-            if error is None:
-                try:
-                    if sources[me] == "persistent":
-                        restored = reader.restore(at, wanted)
-                    else:
-                        restored = self.inner._reader.restore(at, wanted)
-                except Exception as e:
-                    error = e
+            error, received = None, None
+            self._send_back(at, sources)
+            try:
+                if sources[me] == "persistent":
+                    restored = reader.restore(at, wanted)
+                elif sources[me] == "local":
+                    restored = self.inner._reader.restore(at, wanted)
+                else:
+                    received = self._fetched(at)
+                    restored = self.inner._reader.restore_part(*received, wanted)
+            except Exception as e:
+                error = e
+            if self._post is not None:
+                self._post.wait_sent()  # the parts this process sent back were answered
             votes = self._share_all("local/vote", "ok" if error is None else _outcome(error))
             if all(v == "ok" for v in votes):
+                if received is not None:  # this process's own part again, committed meanwhile
+                    _commit_part(self.inner, replicas.received_job(*received), now=False)
                 self._after_restore(at)
                 return at, restored
             if "mismatch" in votes:  # parts hold their process's regions as saved: not these
@@ -464,38 +489,34 @@ class Local:
                     f"the restore of step {at} failed on process(es) {who}: {votes}"
                 )
 
-    def _fetch(self, step: int, sources: list[Any]) -> BaseException | None:
-        """The plan's transfers from peers: rounds of (holder, owner) pairs with distinct
-        holders, every process calling alike; each owner commits what it got into its own
-        directory. This process's error, if its part did not come."""
-        wanted = [(src[1], owner) for owner, src in enumerate(sources) if isinstance(src, list)]
-        me, error = self.procs.index, None
-        while wanted:
-            round_, senders = [], set()
-            for pair in wanted:
-                if pair[0] not in senders:
-                    round_.append(pair)
-                    senders.add(pair[0])
-            wanted = [p for p in wanted if p not in round_]
-            payload = b""
-            for holder, owner in round_:
-                if holder == me:
-                    try:
-                        payload = self._payload(self.managers[owner], step)
-                    except Exception as e:
-                        log.error("cairn: the replica of process %d's step %d: %r", owner, step, e)
-            sizes = [int(n) for n in self._share_all("local/fetch", str(len(payload)))]
-            got = replicas.exchange(self.procs, [p for p in round_ if sizes[p[0]]], payload, sizes)
-            if any(owner == me for _, owner in round_):
-                try:
-                    if not got:
-                        raise CorruptCheckpointError(
-                            f"step {step}: the process holding this process's part could not send it"
-                        )
-                    _commit_part(self.inner, self._received(me, got), now=True)
-                except Exception as e:
-                    error = e
-        return error
+    def _send_back(self, step: int, sources: list[Any]) -> None:
+        """The replicas this process holds that the plan reads (``["peer", this process]``),
+        sent back to their owners on the sender thread (an owner whose replica cannot be read
+        hears that there is none)."""
+        me = self.procs.index
+        owners = [q for q, src in enumerate(sources) if isinstance(src, list) and src[1] == me]
+        if owners and self._post is not None:
+            self._post.send_back(
+                step,
+                [(q, functools.partial(self._payload, self.managers[q], step)) for q in owners],
+            )
+
+    def _fetched(self, step: int) -> tuple[Manifest, replicas.Files]:
+        """This process's part of `step`, sent back by the process holding it (at most
+        `barrier_timeout`), every file checked against its manifest: to be read from memory."""
+        pieces = self._post.fetched(step) if self._post is not None else None
+        if not pieces:
+            raise CorruptCheckpointError(
+                f"step {step}: the process holding this process's part "
+                + (
+                    "could not send it"
+                    if pieces == []
+                    else f"did not send it within {self._timeout:g} s"
+                )
+            )
+        manifest, files = self._received(self.procs.index, step, pieces)
+        replicas.check_files(files, manifest, content=True)
+        return manifest, files
 
     def _after_restore(self, step: int) -> None:
         """Parts above the restored step go (another timeline), and the tiers agree again."""

@@ -1,41 +1,50 @@
 """The local tier's transport for replicas (`post.Post`), two of them in one process over real
-sockets on 127.0.0.1: a part goes to its holder and is answered; what a holder refuses (a
-delivery that raises, a crafted header, a connection without the key, a peer that says
-nothing) is answered or dropped, logged, and never stops the listener; `wait_received` and
-`close` are bounded."""
+sockets on 127.0.0.1: a part goes to its holder and is answered, a file straight from the disk;
+a part sent back for a restore waits for its owner to take it; what a holder refuses (a
+delivery that raises, a crafted header, a part shorter than its header says, a connection
+without the key, a peer that says nothing) is answered or dropped, logged, and never stops the
+listener; `wait_received`, `fetched` and `close` are bounded."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from multiprocessing.connection import Client
 
 import pytest
 from support.logwait import logged
 
-from cairn.manager._core.post import Post
+from cairn.manager._core.post import FilePiece, Post
+
+
+def joined(pieces: list[memoryview]) -> bytes:
+    return b"|".join(bytes(p) for p in pieces)
 
 
 class Holder:
-    """A Post whose deliveries are recorded (or refused, when `refuse` is set)."""
+    """A Post (of process `me`) whose deliveries are recorded, each part's pieces joined by
+    ``|`` (or refused, when `refuse` is set)."""
 
-    def __init__(self, timeout: float = 5.0) -> None:
+    def __init__(self, me: int = 1, timeout: float = 5.0) -> None:
         self.got: list[tuple[int, int, bytes]] = []
         self.refuse: str | None = None
-        self.post = Post(timeout)
+        self.post = Post(timeout, me)
         self.post.open(self.deliver)
 
-    def deliver(self, owner: int, step: int, data: bytes) -> None:
+    def deliver(self, owner: int, step: int, pieces: list[memoryview]) -> None:
         if self.refuse:
             raise ValueError(self.refuse)
-        self.got.append((owner, step, data))
+        self.got.append((owner, step, joined(pieces)))
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Holder, Holder]]:
-    a, b = Holder(), Holder()
+    a, b = Holder(0), Holder(1)
     peers = {0: (a.post.address, a.post.key), 1: (b.post.address, b.post.key)}
     a.post.meet(peers)
     b.post.meet(peers)
@@ -46,9 +55,9 @@ def pair() -> Iterator[tuple[Holder, Holder]]:
 
 def test_a_part_reaches_its_holder_before_the_next_send(pair: tuple[Holder, Holder]) -> None:
     a, b = pair
-    a.post.send(0, 10, [1], lambda: b"part of 10", wait=False)
-    a.post.send(0, 12, [1], lambda: b"part of 12" * 1000, wait=True)  # waits for 10's answer
-    assert b.got == [(0, 10, b"part of 10"), (0, 12, b"part of 12" * 1000)]
+    a.post.send(0, 10, [1], lambda: [b"part", b"of 10"], wait=False)
+    a.post.send(0, 12, [1], lambda: [b"part of 12" * 1000], wait=True)  # waits for 10's answer
+    assert b.got == [(0, 10, b"part|of 10"), (0, 12, b"part of 12" * 1000)]
     assert b.post.wait_received([0], 12) == []
     assert not a.post.busy()
 
@@ -60,12 +69,12 @@ def test_a_part_that_cannot_be_built_is_announced_as_none(
     does not wait for it."""
     a, b = pair
 
-    def broken() -> bytes:
+    def broken() -> list[bytes]:
         raise OSError("disk gone")
 
     a.post.send(0, 14, [1], broken, wait=True)
     assert b.got == [] and b.post.wait_received([0], 14) == []
-    assert "this process's part cannot be sent: OSError('disk gone')" in caplog.text
+    assert "process 0's part cannot be sent: OSError('disk gone')" in caplog.text
 
 
 def test_a_refused_delivery_is_answered_and_logged(
@@ -73,12 +82,10 @@ def test_a_refused_delivery_is_answered_and_logged(
 ) -> None:
     a, b = pair
     b.refuse = "hashes differ"
-    a.post.send(0, 16, [1], lambda: b"bad", wait=True)
-    assert (
-        "did not take this process's part: RuntimeError('ValueError: hashes differ')" in caplog.text
-    )
+    a.post.send(0, 16, [1], lambda: [b"bad"], wait=True)
+    assert "did not take process 0's part: RuntimeError('ValueError: hashes differ')" in caplog.text
     b.refuse = None
-    a.post.send(0, 18, [1], lambda: b"good", wait=True)  # the listener goes on
+    a.post.send(0, 18, [1], lambda: [b"good"], wait=True)  # the listener goes on
     assert b.got == [(0, 18, b"good")]
 
 
@@ -86,22 +93,45 @@ def test_a_refused_delivery_is_answered_and_logged(
     "header",
     [
         b"not json",
-        b'{"owner": "0", "step": 1}',
-        b'{"owner": true, "step": 1}',
+        b'{"owner": "0", "step": 1, "back": false, "sizes": [7]}',
+        b'{"owner": true, "step": 1, "back": false, "sizes": [7]}',
+        b'{"owner": 0, "step": 1, "back": 0, "sizes": [7]}',
+        b'{"owner": 0, "step": 1, "back": false, "sizes": [-7]}',
+        b'{"owner": 0, "step": 1, "back": false, "sizes": [true]}',
+        b'{"owner": 0, "step": 1, "back": false, "sizes": 7}',
+        json.dumps({"owner": 0, "step": 1, "back": False, "sizes": [0] * 100_001}).encode(),
+        b'{"owner": 0, "step": 1, "back": true, "sizes": [7]}',  # back, to another process
         b"[1, 2]",
-        b"x" * 5000,
+        b" " * (2 << 20),
     ],
+    ids=lambda h: h[:40].decode(),
 )
 def test_a_crafted_header_is_refused(
     pair: tuple[Holder, Holder], header: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, b = pair
     with Client(b.post.address, authkey=b.post.key) as conn:
-        conn.send_bytes(header)
-        conn.send_bytes(b"payload")
-        answer = conn.recv_bytes().decode()
-    assert answer != "ok" and b.got == []
+        try:
+            conn.send_bytes(header)
+            os.write(conn.fileno(), b"payload")
+            answer = conn.recv_bytes().decode()
+        except OSError:  # refused unread (too long): the holder hung up
+            answer = ""
+    assert answer != "ok" and b.got == [] and not b.post._back
     assert "was not taken" in caplog.text
+
+
+def test_a_part_shorter_than_its_header_says_is_refused(
+    pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    with logged("EOFError: the connection closed within a piece of 100 bytes") as refused:
+        with Client(b.post.address, authkey=b.post.key) as conn:
+            conn.send_bytes(b'{"owner": 0, "step": 1, "back": false, "sizes": [3, 100]}')
+            os.write(conn.fileno(), b"abc" + b"d" * 10)
+        assert refused.wait(30)
+    a.post.send(0, 2, [1], lambda: [b"next"], wait=True)  # the listener goes on
+    assert b.got == [(0, 2, b"next")]
 
 
 def test_a_connection_without_the_key_is_refused(
@@ -110,7 +140,7 @@ def test_a_connection_without_the_key_is_refused(
     a, b = pair
     with pytest.raises(Exception, match="digest"):
         Client(b.post.address, authkey=b"guessed")
-    a.post.send(0, 20, [1], lambda: b"after", wait=True)  # the listener goes on
+    a.post.send(0, 20, [1], lambda: [b"after"], wait=True)  # the listener goes on
     assert b.got == [(0, 20, b"after")]
     assert "refused a connection" in caplog.text
 
@@ -120,7 +150,7 @@ def test_a_stray_connection_holds_nothing_up(pair: tuple[Holder, Holder]) -> Non
     not hold up the parts that come after it."""
     a, b = pair
     with socket.create_connection(b.post.address):
-        a.post.send(0, 22, [1], lambda: b"through", wait=True)
+        a.post.send(0, 22, [1], lambda: [b"through"], wait=True)
         assert b.got == [(0, 22, b"through")]
 
 
@@ -137,7 +167,7 @@ def test_a_silent_peer_and_a_missing_part_are_bounded() -> None:
             assert b.post.wait_received([3], 7) == [3]
             assert dropped.wait(30)
         b.post.meet({1: (b.post.address, b.post.key)})
-        b.post.send(1, 8, [1], lambda: b"x", wait=True)  # the listener took the next one
+        b.post.send(1, 8, [1], lambda: [b"x"], wait=True)  # the listener took the next one
         assert b.got == [(1, 8, b"x")]
     finally:
         b.post.close()
@@ -150,14 +180,14 @@ def test_a_holder_that_does_not_answer_is_given_up(pair: tuple[Holder, Holder]) 
     a.post._timeout = 0.5  # the sender's patience (the holder's own timeout stays 5 s)
     stuck, release = threading.Event(), threading.Event()
 
-    def slow(owner: int, step: int, data: bytes) -> None:
+    def slow(owner: int, step: int, pieces: list[memoryview]) -> None:
         stuck.set()
         assert release.wait(30)
 
     b.post.open(slow)
     try:
-        with logged("process 1 did not take this process's part: TimeoutError") as gave_up:
-            a.post.send(0, 24, [1], lambda: b"late", wait=True)
+        with logged("process 1 did not take process 0's part: TimeoutError") as gave_up:
+            a.post.send(0, 24, [1], lambda: [b"late"], wait=True)
             assert stuck.is_set() and gave_up.is_set()
     finally:
         release.set()
@@ -169,15 +199,15 @@ def test_a_part_that_comes_before_the_tier_opened_waits_for_it(
     """The listener listens as soon as its address is published, before the local tier it
     delivers to is open: a part that comes in meanwhile is delivered once it is."""
     caplog.set_level(logging.INFO, logger="cairn")
-    early = Post(5.0)
+    early = Post(5.0, 1)
     sender = Holder()
     try:
         sender.post.meet({1: (early.address, early.key)})
         with logged("came before the local tier opened") as waiting:
-            sender.post.send(0, 26, [1], lambda: b"early", wait=False)
+            sender.post.send(0, 26, [1], lambda: [b"early"], wait=False)
             assert waiting.wait(30)
         got: list[tuple[int, int, bytes]] = []
-        early.open(lambda *part: got.append(part))
+        early.open(lambda owner, step, pieces: got.append((owner, step, joined(pieces))))
         sender.post.wait_sent()
         assert got == [(0, 26, b"early")]
     finally:
@@ -192,3 +222,35 @@ def test_close_stops_the_listener(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(OSError):
         Client(b.post.address, authkey=b.post.key)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_file_goes_from_the_disk_as_it_is_and_is_closed(
+    pair: tuple[Holder, Holder], tmp_path: Path
+) -> None:
+    a, b = pair
+    path = tmp_path / "pack"
+    path.write_bytes(os.urandom(3 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    a.post.send(0, 28, [1], lambda: [b"header", FilePiece(fd, 3 << 20)], wait=True)
+    assert b.got == [(0, 28, b"header|" + path.read_bytes())]
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the sender closed it
+
+
+def test_a_part_sent_back_waits_for_its_owner(pair: tuple[Holder, Holder]) -> None:
+    """A restore's part goes back to its owner and waits there, undelivered, until the owner
+    takes it; a holder that cannot read it sends none, and the owner stops waiting at once;
+    one that never comes is None after the timeout."""
+    a, b = pair
+    a.post.send_back(30, [(1, lambda: [b"head", b"files"])])
+    a.post.wait_sent()
+    assert b.got == []
+    assert [bytes(p) for p in b.post.fetched(30) or []] == [b"head", b"files"]
+
+    def unreadable() -> list[bytes]:
+        raise OSError("replica gone")
+
+    a.post.send_back(32, [(1, unreadable)])
+    assert b.post.fetched(32) == []
+    b.post._timeout = 0.2
+    assert b.post.fetched(34) is None
