@@ -170,11 +170,11 @@ def main() -> None:
 def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -> dict[str, float]:
     """The machine's limits for moving one process's part to another: `permute_s`, a plain
     jitted ppermute of `nbytes` already on the device (JAX's collectives, no host copy, no
-    file), each process sending to the next; `socket_lost_s`, the training time lost while a
-    background thread sends `nbytes` from memory to the next process over a plain socket
-    (multiprocessing.connection), and receives the previous one's."""
+    file), each process sending to the next; `socket_s`, the same bytes from memory to the next
+    process over a plain socket (``sendall``, ``recv_into`` a buffer), and receiving the
+    previous one's; `socket_lost_s`, the training time lost while background threads do that."""
+    import socket
     import threading
-    from multiprocessing.connection import Client, Listener
 
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -210,28 +210,38 @@ def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -
     del pieces
 
     data, got = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    listener = Listener(("127.0.0.1", 0), authkey=b"bench")
-    procs.report("bench/limit/port", str(listener.address[1]))
+    listener = socket.create_server(("127.0.0.1", 0))
+    procs.report("bench/limit/port", str(listener.getsockname()[1]))
     meet("limit/ports")
     ports = [int(p) for p in procs.reports("bench/limit/port")]
 
     def receive() -> None:
-        with listener.accept() as conn:
-            for at in range(0, nbytes, piece):
-                conn.recv_bytes_into(memoryview(got)[at:])
+        conn, _ = listener.accept()
+        with conn:
+            view = memoryview(got)
+            while view.nbytes:
+                view = view[conn.recv_into(view) :]
 
     def transmit() -> None:
-        with Client(("127.0.0.1", ports[(me + 1) % count]), authkey=b"bench") as conn:
-            for at in range(0, nbytes, piece):
-                conn.send_bytes(memoryview(data)[at : at + piece])
+        with socket.create_connection(("127.0.0.1", ports[(me + 1) % count])) as conn:
+            conn.sendall(memoryview(data))
 
+    def both() -> list[threading.Thread]:
+        threads = [threading.Thread(target=receive), threading.Thread(target=transmit)]
+        for t in threads:
+            t.start()
+        return threads
+
+    meet("limit/socket-alone")
+    t0 = time.monotonic()
+    for t in both():
+        t.join()
+    times["limit_socket_s"] = time.monotonic() - t0
     meet("limit/base")
     baseline = base()
     meet("limit/socket")
-    threads = [threading.Thread(target=receive), threading.Thread(target=transmit)]
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
+    threads = both()
     train()
     for t in threads:
         t.join()

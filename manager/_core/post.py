@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from cairn.handlers.io import lower_thread_priority
+
 log = logging.getLogger("cairn")
 
 Address = tuple[str, int]
@@ -82,7 +84,9 @@ class Post:
         self._back: dict[int, list[memoryview]] = {}  # step -> this process's part, sent back
         self._changed = threading.Condition()
         self._closing = False
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="cairn-local-send")
+        self._sender = ThreadPoolExecutor(
+            1, thread_name_prefix="cairn-local-send", initializer=lower_thread_priority
+        )
         self._sending: Future[None] | None = None
         self._thread = threading.Thread(target=self._serve, name="cairn-local-post", daemon=True)
         self._thread.start()
@@ -198,6 +202,7 @@ class Post:
             ).start()
 
     def _handle(self, conn: Connection) -> None:
+        lower_thread_priority()  # as every background thread: the training step goes first
         with conn:
             try:
                 _bound(conn, self._timeout)
