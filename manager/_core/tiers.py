@@ -454,6 +454,8 @@ class Local:
                     restored = self.inner._reader.restore_part(*received, wanted)
             except Exception as e:
                 error = e
+                source = sources[me] if isinstance(sources[me], str) else "peer"
+                log.warning("cairn: step %d from the %s tier: %s", at, source, e)
             if self._post is not None:
                 self._post.wait_sent()  # the parts this process sent back were answered
             votes = self._share_all("local/vote", "ok" if error is None else _outcome(error))

@@ -13,8 +13,8 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from multiprocessing.connection import Client
+from pathlib import Path
 
 import pytest
 from support.logwait import logged

@@ -259,7 +259,9 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with;
     CAIRN_TEST_DOMAINS: each process's failure_domain=, comma-separated, empty for None (CAIRN_TEST_WIPE may
     name several processes, comma-separated, too);
-    CAIRN_TEST_ASYNC=0: async_save=False."""
+    CAIRN_TEST_ASYNC=0: async_save=False; CAIRN_TEST_MUTE_HOLDERS: the processes not wiped send
+    back no replica in a restore (as a holder that cannot reach its owner);
+    CAIRN_TEST_BARRIER: barrier_timeout= (30 by default)."""
     import shutil
     from pathlib import Path
 
@@ -304,7 +306,7 @@ def local_tier(procs: Any, directory: str) -> None:
             save=EveryNSteps(5),
             keep=KeepLatest(2),
             local=tier,
-            barrier_timeout=30,
+            barrier_timeout=float(env.get("CAIRN_TEST_BARRIER", "30")),
             async_save=env.get("CAIRN_TEST_ASYNC", "1") == "1",
         )
 
@@ -334,6 +336,10 @@ def local_tier(procs: Any, directory: str) -> None:
             data[10] ^= 0xFF
             pack.write_bytes(bytes(data))
             print(f"corrupted {held[-1].name}", flush=True)
+    if env.get("CAIRN_TEST_MUTE_HOLDERS") and procs.index not in wiped:
+        from cairn.manager._core.post import Post
+
+        Post.send_back = lambda self, step, parts: print(f"not sending back {step}", flush=True)  # type: ignore[method-assign]
     if env.get("CAIRN_TEST_RESHARD"):  # other shardings than saved: parts cannot serve them
         sharded = NamedSharding(mesh, P(None, ("data", "model")))
     target = {

@@ -64,10 +64,10 @@ def test_two_processes_restore_from_local_parts_and_a_lost_one_from_the_persiste
 def test_a_lost_local_directory_is_served_by_a_peer_replica(
     place: Place, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """replicas=1: each process also holds the other's parts (save() sends them over JAX's
-    collectives). Process 1's local directory wiped: step 12, newer than any persistent step,
-    still comes back on both, process 1's part from process 0's replica; the part is then
-    process 1's own again. Then process 0 is wiped and its newest replica (13) on process 1
+    """replicas=1: each process also holds the other's parts (sent in the background after each
+    local save). Process 1's local directory wiped: step 12, newer than any persistent step,
+    still comes back on both, process 1's part sent back from process 0's replica and read
+    from memory; the part is then process 1's own again. Then process 0 is wiped and its newest replica (13) on process 1
     damaged: that source fails its hashes, the vote strikes it, and step 13 comes back from
     the persistent tier for process 0 and from its own part for process 1."""
     local = tmp_path_factory.mktemp("local")
@@ -87,6 +87,23 @@ def test_a_lost_local_directory_is_served_by_a_peer_replica(
     assert "corrupted checkpoint_13" in outs[1], outs
     assert restored(outs) == 13
     assert "process 0 could not read its part of step 13 from the peer tier" in outs[0], outs
+
+
+def test_a_replica_that_does_not_come_back_is_struck_out(tmp_path: Path) -> None:
+    """replicas=1, process 1's local directory wiped, and process 0 sends back nothing (as a
+    holder that cannot reach its owner): process 1 waits barrier_timeout for its part of step
+    12, the replica is struck out, the same for step 10, and step 10 comes from the persistent
+    tier (process 0 reads its own part of that save), the same on both."""
+    place, local = Place(str(tmp_path / "persistent")), tmp_path / "local"
+    run(place, local, "save", steps=12, replicas=1)
+    outs = run(place, local, "resume", wipe=1, replicas=1, mute_holders=1, barrier=8)
+    assert restored(outs) == 10
+    assert "not sending back 12" in outs[0] and "not sending back 10" in outs[0], outs[0]
+    assert "did not send it within 8 s" in outs[1], outs[1]
+    for p in (0, 1):
+        assert (
+            f"process 1 could not read its part of step {12 - 2 * p} from the peer tier" in outs[0]
+        )
 
 
 def test_replicas_go_to_another_failure_domain(tmp_path: Path) -> None:

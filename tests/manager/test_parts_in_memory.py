@@ -1,0 +1,108 @@
+"""A local tier's part sent back for a restore, read from memory: the part as `post.Post`
+sends it (`Local._payload`: the manifest, then each file opened on the disk), received as its
+pieces, checked against its manifest and restored by the manager's handlers from memory
+(`Reader.restore_part`, `MemorySource`), bit-exact; a damaged, short, missing or extra file is
+refused before anything is read; a handler that reads through a path gets a private directory,
+removed after its restore."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from support.iterutil import Shuffled
+from test_local_tier import check, items, manager, run
+
+from cairn.handlers import FileRecord, StoredItem
+from cairn.handlers._files.records import content_hash
+from cairn.handlers.io import MemorySource
+from cairn.manager import CorruptCheckpointError
+from cairn.manager._core import replicas
+from cairn.manager._core.post import FilePiece
+from cairn.manager._format import Manifest
+
+
+def received(mgr: Any, step: int) -> tuple[Manifest, replicas.Files]:
+    """This process's own part of `step` as its holder would send it, and as it arrives."""
+    local = mgr._local
+    pieces = []
+    for piece in local._payload(local.inner, step):
+        if isinstance(piece, FilePiece):  # as the receiver gets it: the file's bytes
+            pieces.append(memoryview(os.pread(piece.fd, piece.size + 1, 0)))
+            os.close(piece.fd)
+        else:
+            pieces.append(memoryview(piece))
+    return local._received(0, step, pieces)
+
+
+def test_a_part_sent_back_restores_from_memory_bit_exact(tmp_path: Path) -> None:
+    with manager(tmp_path) as mgr:
+        run(mgr, range(1, 7))
+        manifest, files = received(mgr, 6)
+        replicas.check_files(files, manifest, content=True)
+        wanted = {"state": None, "data": Shuffled(seed=3)}
+        restored = mgr._local.inner._reader.restore_part(manifest, files, wanted)
+        check(restored, 6)
+        # a received part commits as its owner committed it
+        job = replicas.received_job(manifest, files)
+        assert sorted(job.snapshots) == sorted(items(6)) and job.step == 6
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "missing", "extra"])
+def test_a_damaged_part_is_refused_before_it_is_read(tmp_path: Path, damage: str) -> None:
+    with manager(tmp_path) as mgr:
+        run(mgr, range(1, 4))
+        manifest, files = received(mgr, 3)
+        item, paths = next((i, p) for i, p in files.items() if p)
+        path = max(paths, key=lambda p: paths[p].nbytes)
+        data = bytearray(paths[path])
+        if damage == "flip":
+            data[len(data) // 2] ^= 1
+            paths[path] = memoryview(data)
+        elif damage == "short":
+            paths[path] = memoryview(data[:-1])
+        elif damage == "missing":
+            del paths[path]
+        else:
+            paths["stray.bin"] = memoryview(b"x")
+        with pytest.raises(CorruptCheckpointError, match=f"item {item!r}|{item!r}"):
+            replicas.check_files(files, manifest, content=True)
+
+
+def test_a_part_that_does_not_hold_together_is_refused() -> None:
+    header = b'{"manifest": "{}", "files": [["state", "a"], ["state", "a"]]}'
+    for pieces, match in (
+        ([], "no header"),
+        ([memoryview(b"[1]")], "header"),
+        ([memoryview(header), memoryview(b"1")], "1 files, the header lists"),
+        ([memoryview(header), memoryview(b"1"), memoryview(b"2")], "comes twice"),
+    ):
+        with pytest.raises(CorruptCheckpointError, match=match):
+            replicas.unpack_part(pieces)
+
+
+def test_a_memory_source_reads_as_a_directory_does(tmp_path: Path) -> None:
+    """Reads are checked against the records as from a directory; `directory` writes the files
+    into a private directory that the release removes."""
+    content = np.arange(1000, dtype=np.uint8).tobytes()
+    record = FileRecord("sub/data.bin", len(content), None, xxh3_128=content_hash(content))
+    source = MemorySource({"sub/data.bin": memoryview(content)}, "a received part")
+    stored = StoredItem(source, {"sub/data.bin": record}, 3, "state")
+    stored.check_files()
+    assert stored.read_bytes("sub/data.bin") == content
+    buffer = bytearray(10)
+    stored.read_range("sub/data.bin", 990, memoryview(buffer))
+    assert bytes(buffer) == content[990:]
+    whole = [bytearray(600), bytearray(400)]
+    stored.read_into("sub/data.bin", [memoryview(b) for b in whole])
+    assert b"".join(whole) == content
+    directory = stored.directory
+    assert (directory / "sub" / "data.bin").read_bytes() == content
+    source.release()
+    assert not directory.exists()
+    wrong = StoredItem(source, {"other.bin": record}, 3, "state")
+    with pytest.raises(CorruptCheckpointError, match=r"other\.bin is missing"):
+        wrong.read_bytes("other.bin")
