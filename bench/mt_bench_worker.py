@@ -135,7 +135,9 @@ def main() -> None:
             measure(mgr, 2, st2, "both")
         if spec["replicas"]:
             part = rows * cols * 4 * leaves // procs.count
-            times |= transfer_limits(procs, part, meet, lambda: train(steps), base)
+            times |= transfer_limits(
+                procs, part, meet, lambda: train(steps), base, Path(spec["local"])
+            )
     else:
         if spec.get("wipe") == procs.index:
             shutil.rmtree(f"{spec['local']}/local-{procs.index}", ignore_errors=True)
@@ -167,17 +169,24 @@ def main() -> None:
     jax.distributed.shutdown()
 
 
-def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -> dict[str, float]:
+def transfer_limits(
+    procs: Any, nbytes: int, meet: Any, train: Any, base: Any, where: Path
+) -> dict[str, float]:
     """The machine's limits for moving one process's part to another: `permute_s`, a plain
     jitted ppermute of `nbytes` already on the device (JAX's collectives, no host copy, no
     file), each process sending to the next; `socket_s`, the same bytes from memory to the next
     process over a plain socket (``sendall``, ``recv_into`` a buffer), and receiving the
-    previous one's; `socket_lost_s`, the training time lost while background threads do that."""
+    previous one's; `socket_lost_s`, the training time lost while background threads do that
+    (at background priority, as cairn's threads run); `socket_write_lost_s`, the same when the
+    receiver then writes what it received to a file in `where` and fsyncs it, as a holder
+    commits a replica."""
     import socket
     import threading
 
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from cairn.handlers.io import lower_thread_priority
 
     count, me = procs.count, procs.index
     first = [
@@ -215,19 +224,31 @@ def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -
     meet("limit/ports")
     ports = [int(p) for p in procs.reports("bench/limit/port")]
 
-    def receive() -> None:
+    def receive(write: bool = False) -> None:
+        lower_thread_priority()
         conn, _ = listener.accept()
         with conn:
             view = memoryview(got)
             while view.nbytes:
                 view = view[conn.recv_into(view) :]
+        if write:
+            path = where / f"limit-{me}-{time.monotonic_ns()}"
+            with open(path, "wb") as f:
+                f.write(memoryview(got))
+                f.flush()
+                os.fsync(f.fileno())
+            path.unlink()
 
     def transmit() -> None:
+        lower_thread_priority()
         with socket.create_connection(("127.0.0.1", ports[(me + 1) % count])) as conn:
             conn.sendall(memoryview(data))
 
-    def both() -> list[threading.Thread]:
-        threads = [threading.Thread(target=receive), threading.Thread(target=transmit)]
+    def both(write: bool = False) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=receive, args=(write,)),
+            threading.Thread(target=transmit),
+        ]
         for t in threads:
             t.start()
         return threads
@@ -246,6 +267,15 @@ def transfer_limits(procs: Any, nbytes: int, meet: Any, train: Any, base: Any) -
     for t in threads:
         t.join()
     times["limit_socket_lost_s"] = time.monotonic() - t0 - baseline
+    meet("limit/base-write")
+    baseline = base()
+    meet("limit/socket-write")
+    t0 = time.monotonic()
+    threads = both(write=True)
+    train()
+    for t in threads:
+        t.join()
+    times["limit_socket_write_lost_s"] = time.monotonic() - t0 - baseline
     listener.close()
     return times
 
