@@ -262,13 +262,17 @@ class Post:
 
     def fetched(self, step: int) -> list[memoryview] | None:
         """This process's part of `step` sent back for a restore, taken (at most `timeout`;
-        [] where its holder had none to send); None if it did not come. Parts of other steps
-        sent back before are dropped."""
+        [] where its holder had none to send); None if it did not come."""
         with self._changed:
             self._changed.wait_for(lambda: step in self._back, self._timeout)
-            pieces = self._back.pop(step, None)
+            return self._back.pop(step, None)
+
+    def forget_back(self) -> None:
+        """Drop the parts sent back that no restore took (one that came after its owner
+        stopped waiting): once every process met after its sends were answered, none is in
+        flight."""
+        with self._changed:
             self._back.clear()
-            return pieces
 
     def close(self) -> None:
         """Stop sending (after the part in flight) and listening."""
@@ -281,7 +285,7 @@ class Post:
                 socket.create_connection(self.address, timeout=self._timeout).close()
             self._thread.join(self._timeout)
             self._listener.close()
-            self._back.clear()
+            self.forget_back()
 
 
 def _header(data: bytes) -> dict[str, Any]:

@@ -459,6 +459,8 @@ class Local:
             if self._post is not None:
                 self._post.wait_sent()  # the parts this process sent back were answered
             votes = self._share_all("local/vote", "ok" if error is None else _outcome(error))
+            if self._post is not None:  # every part sent back was answered before the vote
+                self._post.forget_back()
             if all(v == "ok" for v in votes):
                 if received is not None:  # this process's own part again, committed meanwhile
                     _commit_part(self.inner, replicas.received_job(*received), now=False)

@@ -254,3 +254,14 @@ def test_a_part_sent_back_waits_for_its_owner(pair: tuple[Holder, Holder]) -> No
     assert b.post.fetched(32) == []
     b.post._timeout = 0.2
     assert b.post.fetched(34) is None
+
+
+def test_a_part_sent_back_that_no_restore_took_is_forgotten(pair: tuple[Holder, Holder]) -> None:
+    """A part that came after its owner stopped waiting is not kept for the rest of the run."""
+    a, b = pair
+    a.post.send_back(40, [(1, lambda: [b"late" * 1000])])
+    a.post.wait_sent()
+    assert 40 in b.post._back
+    b.post.forget_back()
+    b.post._timeout = 0.2
+    assert b.post.fetched(40) is None
