@@ -454,8 +454,7 @@ class Local:
                     restored = self.inner._reader.restore_part(*received, wanted)
             except Exception as e:
                 error = e
-                source = sources[me] if isinstance(sources[me], str) else "peer"
-                log.warning("cairn: step %d from the %s tier: %s", at, source, e)
+                log.warning("cairn: step %d from the %s tier: %s", at, _tier(sources[me]), e)
             if self._post is not None:
                 self._post.wait_sent()  # the parts this process sent back were answered
             votes = self._share_all("local/vote", "ok" if error is None else _outcome(error))
@@ -475,7 +474,7 @@ class Local:
                 )
             for p, vote in enumerate(votes):
                 if vote == "corrupt":
-                    source = sources[p] if isinstance(sources[p], str) else "peer"
+                    source = _tier(sources[p])
                     bad.add((p, at, source))
                     log.warning(
                         "cairn: process %d could not read its part of step %d from the %s tier; "
@@ -709,6 +708,11 @@ def _close_quietly(manager: Any) -> None:
         manager.close()
     except Exception as e:
         log.error("cairn: closing a local tier's replicas: %r", e)
+
+
+def _tier(source: Any) -> str:
+    """A plan's source as the tier it reads: "local", "persistent", or "peer" (["peer", holder])."""
+    return source if isinstance(source, str) else "peer"
 
 
 def _outcome(error: BaseException) -> str:
