@@ -38,9 +38,8 @@ from cairn.handlers.io import lower_thread_priority
 log = logging.getLogger("cairn")
 
 Address = tuple[str, int]
-_HEADER_BYTES = (
-    1 << 20
-)  # a header is a JSON object (a size per piece): anything longer is refused unread
+# A header is a JSON object, a size per piece: anything longer is refused unread.
+_HEADER_BYTES = 1 << 20
 _PIECES = 100_000  # the most pieces one header may announce
 
 

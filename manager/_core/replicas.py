@@ -1,6 +1,6 @@
 """Moving a local tier's parts between processes: who holds whose part (`Ring`), a part as
 the pieces `post.Post` sends (its manifest, then its files: `pack_part` / `unpack_part`), a
-part received checked against its owner's manifest (`checked_files`), and the job that commits
+part received checked against its owner's manifest (`check_files`), and the job that commits
 a received part (`received_job`), whose files must hash as the owner's manifest says before it
 is committed.
 """
