@@ -25,7 +25,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cairn.handlers import LocalSource
 from cairn.handlers.errors import CorruptCheckpointError, PartMismatchError, StepNotFoundError
 from cairn.handlers.io import share_snapshot
 from cairn.manager._core import commit as _commit
@@ -369,10 +368,11 @@ class Local:
                     continue
                 stored = reader._stored(step, item, manifest)
                 for f in entry.files:
-                    if isinstance(stored.source, LocalSource):
-                        files.append((item, f.path, FilePiece(stored.open_file(f.path), f.size)))
-                    else:
-                        files.append((item, f.path, stored.read_bytes(f.path)))
+                    try:  # a file on disk, opened: sent as it is
+                        piece: Piece = FilePiece(stored.open_file(f.path), f.size)
+                    except TypeError:  # not on a local filesystem (an object store): read it
+                        piece = stored.read_bytes(f.path)
+                    files.append((item, f.path, piece))
         except BaseException:
             for _, _, piece in files:
                 if isinstance(piece, FilePiece):

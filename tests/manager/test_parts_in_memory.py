@@ -16,8 +16,7 @@ import pytest
 from support.iterutil import Shuffled
 from test_local_tier import check, items, manager, run
 
-from cairn.handlers import FileRecord, StoredItem
-from cairn.handlers._files.records import content_hash
+from cairn.handlers import StoredItem, write_file
 from cairn.handlers.io import MemorySource
 from cairn.manager import CorruptCheckpointError
 from cairn.manager._core import replicas
@@ -88,7 +87,7 @@ def test_a_memory_source_reads_as_a_directory_does(tmp_path: Path) -> None:
     """Reads are checked against the records as from a directory; `directory` writes the files
     into a private directory that the release removes."""
     content = np.arange(1000, dtype=np.uint8).tobytes()
-    record = FileRecord("sub/data.bin", len(content), None, xxh3_128=content_hash(content))
+    record = write_file(tmp_path, "sub/data.bin", content)  # its size and content hash
     source = MemorySource({"sub/data.bin": memoryview(content)}, "a received part")
     stored = StoredItem(source, {"sub/data.bin": record}, 3, "state")
     stored.check_files()
