@@ -13,7 +13,13 @@ checks on names and JSON read from a checkpoint), `localio` (no-follow reads, `w
 """
 
 from cairn.handlers._files.destination import BufferedFile, Destination, write_file
-from cairn.handlers._files.disk import DIRECT_MIN, KnownFiles, LocalDestination, as_destination
+from cairn.handlers._files.disk import (
+    DIRECT_MIN,
+    KnownFiles,
+    LocalDestination,
+    aligned_empty,
+    as_destination,
+)
 from cairn.handlers._files.localio import (
     ChecksummedFile,
     fsync_dir,
@@ -63,6 +69,7 @@ __all__ = [
     "Source",
     "StoredItem",
     "WriteBudget",
+    "aligned_empty",
     "as_destination",
     "as_parts",
     "check_relative",

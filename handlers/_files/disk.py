@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import os
 import stat
 import threading
@@ -226,6 +227,17 @@ class KnownFiles:
 # Files whose content this process knows (it wrote or hashed them): (device, inode) ->
 # (mtime_ns, size, content hash). An incremental save links such a file without reading it.
 _KNOWN = KnownFiles()
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = DIRECT_ALIGN) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary: a page by default,
+    so that a `LocalDestination` writes it with ``O_DIRECT`` (a buffer from ``np.empty`` starts
+    16 bytes into its pages, and a 512 MiB file written from one through the page cache cost
+    0.9 s of kernel CPU here, against 0.01 s with ``O_DIRECT``)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _address(view: memoryview) -> int:

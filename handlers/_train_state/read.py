@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,7 +13,7 @@ import crc32c
 import numpy as np
 import xxhash
 
-from cairn.handlers._files import StoredItem, in_parts, parse_json
+from cairn.handlers._files import StoredItem, aligned_empty, in_parts, parse_json
 from cairn.handlers._packs import Packed
 from cairn.handlers._packs import read_chunks as read_packed_chunks
 from cairn.handlers._packs import runs as packed_runs
@@ -185,14 +184,6 @@ def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _shared_pool("cairn-read", 4)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts on an `align`-byte boundary (JAX adopts it as is)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 class _Read:
     """One region of a leaf being read on the read pool: a chunk per task, or with a `_Batch`,
     the chunks of the packed layout that land whole in the result in the batch's reads."""
@@ -202,7 +193,7 @@ class _Read:
     ) -> None:
         self._reader = reader
         self._region = region
-        self._out = _aligned_empty(tuple(sl.stop - sl.start for sl in region), reader.dtype)
+        self._out = aligned_empty(tuple(sl.stop - sl.start for sl in region), reader.dtype, 64)
         self._futures: list[concurrent.futures.Future[None]] = []
         if not self._out.size:
             return

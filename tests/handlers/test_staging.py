@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Gate
+from support.pages import resident_pages
 
 from cairn.handlers import LocalDestination, TrainStateHandler
 from cairn.handlers._files import DIRECT_MIN, io_priority
@@ -23,20 +23,6 @@ from cairn.handlers._staging import PAGE, StagingPool, staging_for
 from cairn.handlers.io import BACKGROUND_NICE, WriteBudget, lower_thread_priority
 
 MiB = 1 << 20
-
-
-def resident_pages(path: Path) -> int:
-    """How many of the file's pages are in the page cache (mincore(2) over a mapping of it)."""
-    size = path.stat().st_size
-    pages = -(-size // PAGE)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        vec = (ctypes.c_ubyte * pages)()
-        buf = np.frombuffer(m, np.uint8)
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.mincore(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(size), vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        del buf
-        return sum(v & 1 for v in vec)
 
 
 def aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:

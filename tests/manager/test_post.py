@@ -1,6 +1,7 @@
 """The local tier's transport for replicas (`post.Post`), two of them in one process over real
 sockets on 127.0.0.1: a part goes to its holder and is answered, a file straight from the disk;
-a part sent back for a restore waits for its owner to take it; what a holder refuses (a
+a part sent back for a restore waits for its owner to take it; what a holder receives goes to
+its disk past the page cache; what a holder refuses (a
 delivery that raises, a crafted header, a part shorter than its header says, a connection
 without the key, a peer that says nothing) is answered or dropped, logged, and never stops the
 listener; `wait_received`, `fetched` and `close` are bounded."""
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 from support.logwait import logged
+from support.pages import resident_pages
 
+from cairn.handlers import LocalDestination
 from cairn.manager._core.post import FilePiece, Post
 
 
@@ -235,6 +238,28 @@ def test_a_file_goes_from_the_disk_as_it_is_and_is_closed(
     assert b.got == [(0, 28, b"header|" + path.read_bytes())]
     with pytest.raises(OSError):
         os.fstat(fd)  # the sender closed it
+
+
+def test_what_a_holder_receives_goes_to_its_disk_past_the_page_cache(
+    pair: tuple[Holder, Holder], tmp_path: Path
+) -> None:
+    """Each piece is received into page-aligned memory of its own, so a holder's commit writes
+    it with O_DIRECT (a buffer from np.empty starts 16 bytes into a page and went through the
+    page cache, at 0.9 s of kernel CPU per 512 MiB here): after the write, none of the file's
+    whole pages are in the page cache."""
+    a, b = pair
+    data = os.urandom((3 << 20) + 100)
+    dest = LocalDestination(tmp_path / "held")
+
+    def deliver(owner: int, step: int, pieces: list[memoryview]) -> None:
+        for k, piece in enumerate(pieces):
+            dest.write_file(str(k), piece)
+
+    b.post.open(deliver)
+    a.post.send(0, 29, [1], lambda: [b"header", data], wait=True)
+    assert b.post.wait_received([0], 29) == []
+    assert resident_pages(tmp_path / "held" / "1") <= 1  # the tail's page
+    assert (tmp_path / "held" / "1").read_bytes() == data
 
 
 def test_a_part_sent_back_waits_for_its_owner(pair: tuple[Holder, Holder]) -> None:
