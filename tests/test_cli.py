@@ -785,7 +785,10 @@ def test_ls_of_a_local_tier_shows_whose_part_each_step_is(
     local_run(tmp_path)
     local, part = tmp_path / "local-0", tmp_path / "local-0" / "process_0"
     recorded = records(part)
-    assert [(r["process"], r["persistent"]) for r in recorded.values()] == [(0, False), (0, True)]
+    assert [(r["process"], r["persistent"], r["holder"]) for r in recorded.values()] == [
+        (0, False, 0),
+        (0, True, 0),
+    ]
     save8, save10 = recorded[8]["save"][:8], recorded[10]["save"][:8]
     code, out, err = run_cli(capsys, "ls", str(local))
     assert code == 0 and err == ""  # no step-like hint about process_0 (it was named one)
@@ -828,36 +831,48 @@ def test_ls_of_a_local_tier_shows_whose_part_each_step_is(
 
 
 def as_part(source: Path, target: Path, process: int, processes: int, **record: Any) -> None:
-    """`source`'s parts copied to `target`, recorded as process `process`'s of `processes`."""
+    """`source`'s parts copied to `target`, recorded as process `process`'s of `processes`
+    (and with `record`'s other keys, a key given None removed)."""
     shutil.copytree(source, target)
     for path in sorted(target.glob("checkpoint_*/_CHECKPOINT.json")):
         body = load_checked(path.read_bytes(), str(path))
-        body["metadata"][PART].update(process=process, processes=processes, **record)
+        part = body["metadata"][PART]
+        part.update(process=process, processes=processes, **record)
+        body["metadata"][PART] = {k: v for k, v in part.items() if v is not None}
         path.write_bytes(dump_checked(body))
 
 
-def test_ls_of_a_local_tier_tells_replicas_from_own_parts_with_process(
+def test_ls_of_a_local_tier_tells_replicas_from_own_parts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Process 1's local directory in a job of 3, holding its own parts and a replica of process
-    0's: disk does not say which is its own, --process does; a damaged part is listed as
-    damaged under its owner; a save id from the directory is printed as text."""
+    0's: each part records the process that committed it (`holder`), so `ls` tells them apart,
+    a damaged part by the directory's one holder; parts that record none (saved before cairn
+    recorded holders) are told apart by --process, and `ls` says so without it; a crafted
+    holder is no holder; a save id from the directory is printed as text."""
     local_run(tmp_path)
     source, holder = tmp_path / "local-0" / "process_0", tmp_path / "host"
-    as_part(source, holder / "process_1", 1, 3)
-    as_part(source, holder / "process_0", 0, 3, save=EVIL)
+    as_part(source, holder / "process_1", 1, 3, holder=1)
+    as_part(source, holder / "process_0", 0, 3, save=EVIL, holder=1)
     (holder / "process_0" / "checkpoint_8" / "_CHECKPOINT.json").write_text("{}")
     code, out, err = run_cli(capsys, "ls", str(holder))
-    assert code == 0 and "give --process P" in err and len(err.splitlines()) == 1
+    assert code == 0 and err == ""
     lines = [line.split("\t") for line in out.splitlines()]
     assert [row[:3] for row in lines[1:]] == [
-        ["8", "0", "-"],
-        ["8", "1", "-"],
-        ["10", "0", "-"],
-        ["10", "1", "-"],
+        ["8", "0", "replica"],
+        ["8", "1", "own"],
+        ["10", "0", "replica"],
+        ["10", "1", "own"],
     ]
     assert lines[1][3:5] == ["-", "-"] and lines[1][-1].startswith("damaged: ")
     assert lines[3][3] == "\\x1b]0;pwne"  # the crafted save id, as text
+    for bad in (None, "1", True, -1):  # none recorded, or not a process index
+        shutil.rmtree(holder)
+        as_part(source, holder / "process_1", 1, 3, holder=bad)
+        as_part(source, holder / "process_0", 0, 3, holder=bad)
+        code, out, err = run_cli(capsys, "ls", str(holder))
+        assert code == 0 and "give --process P" in err and len(err.splitlines()) == 1
+        assert [line.split("\t")[2] for line in out.splitlines()[1:]] == ["-"] * 4
     code, out, err = run_cli(capsys, "ls", str(holder), "--process", "1", "--json")
     rows = strict_json(out)
     assert code == 0 and err == ""
@@ -867,8 +882,7 @@ def test_ls_of_a_local_tier_tells_replicas_from_own_parts_with_process(
         (10, 0, "replica"),
         (10, 1, "own"),
     ]
-    assert "part" not in rows[0] and rows[0]["status"].startswith("damaged: ")
-    assert rows[2]["part"]["save"] == EVIL and rows[3]["part"]["processes"] == 3
+    assert rows[3]["part"]["processes"] == 3 and rows[3]["part"]["holder"] == -1
     lines = [
         line.split("\t")
         for line in run_cli(capsys, "ls", str(holder), "--process", "1")[1].splitlines()

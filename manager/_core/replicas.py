@@ -16,7 +16,7 @@ from cairn.handlers import Destination, FileRecord
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager._core import commit as _commit
 from cairn.manager._core.post import Piece
-from cairn.manager._format import Manifest
+from cairn.manager._format import PART, Manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +180,14 @@ class _Files:
         return written
 
 
-def received_job(manifest: Manifest, files: Files) -> _commit.SaveJob:
+def received_job(manifest: Manifest, files: Files, *, holder: int) -> _commit.SaveJob:
     """A save job that commits a received part as its owner committed it: the same items,
-    files, metrics and metadata; each file checked against the owner's manifest."""
+    files, metrics and metadata, but for the part record's `holder`, the process committing
+    this copy; each file checked against the owner's manifest."""
     check_files(files, manifest, content=False)  # the content: as each file is written
+    part = manifest.metadata.get(PART)
+    if not isinstance(part, dict):
+        raise CorruptCheckpointError(f"a received part of step {manifest.step} has no part record")
     snapshots: dict[str, Any] = {
         item: (
             _Stand(entry.handler, entry.version),
@@ -197,7 +201,7 @@ def received_job(manifest: Manifest, files: Files) -> _commit.SaveJob:
         tmp_name=None,
         snapshots=snapshots,
         metrics=dict(manifest.metrics),
-        metadata=dict(manifest.metadata),
+        metadata={**manifest.metadata, PART: {**part, "holder": holder}},
         started_at=manifest.started_at,
         blocked_s=0.0,
     )

@@ -7,8 +7,9 @@ one (docs/multitier.md).
 The local directory of a process is an ordinary single-process cairn directory (its own lock,
 commit thread, retention): `cairn list` and `cairn verify` read it as any other. Each of its
 steps records its part (`PART`, in the step's metadata): which process of how many saved it,
-the save it came from (one id on every process), and whether the same save went to the
-persistent tier too.
+the save it came from (one id on every process), whether the same save went to the persistent
+tier too, and which process committed this copy (`holder`: the owner itself, or a process
+holding a replica), so that `cairn ls` tells own parts from replicas.
 """
 
 from __future__ import annotations
@@ -289,6 +290,7 @@ class Local:
             "processes": self.procs.count,
             "save": job.tmp_name or self._save_id(),
             "persistent": persistent,
+            "holder": self.procs.index,
         }
         local = dataclasses.replace(
             job,
@@ -347,7 +349,8 @@ class Local:
         if owner == self.procs.index or owner not in self.managers:
             raise ValueError(f"this process holds no parts of process {owner}")
         manifest, files = self._received(owner, step, pieces)
-        _commit_part(self.managers[owner], replicas.received_job(manifest, files), now=True)
+        job = replicas.received_job(manifest, files, holder=self.procs.index)
+        _commit_part(self.managers[owner], job, now=True)
 
     def _settle(self) -> None:
         """Every process's part in flight is held (its holders answered): a meeting."""
@@ -462,7 +465,8 @@ class Local:
                 self._post.forget_back()
             if all(v == "ok" for v in votes):
                 if received is not None:  # this process's own part again, committed meanwhile
-                    _commit_part(self.inner, replicas.received_job(*received), now=False)
+                    job = replicas.received_job(*received, holder=me)
+                    _commit_part(self.inner, job, now=False)
                 self._after_restore(at)
                 return at, restored
             if "mismatch" in votes:  # parts hold their process's regions as saved: not these

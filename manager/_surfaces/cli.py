@@ -351,29 +351,44 @@ def _ls_local(
     args: argparse.Namespace, policy: Any, owners: dict[int, Path]
 ) -> list[dict[str, Any]]:
     """`ls` of a local tier's directory: the parts of each ``process_<q>/`` in it, one row each,
-    by step and owner; `held` says whether a part is the holder's own or a replica (None where
-    the holder is not known: disk does not record it, --process says it)."""
+    by step and owner; `held` says whether a part is the holder's own or a replica: as
+    --process says (the process whose directory this is), else as the part's record says
+    (`holder`, the process that committed that copy), else as the directory's other parts say
+    (their one holder, or one ``process_<q>/`` alone: no replicas); None where none of that is
+    known (parts saved before cairn recorded holders, or a damaged one among several holders)."""
     holder = args.process
     if holder is not None and holder not in owners:
         have = ", ".join(f"process_{q}" for q in sorted(owners))
         raise _UsageError(f"{args.directory}: no process_{holder} in it (it holds {have})")
-    if holder is None and len(owners) == 1:  # no replicas: the holder's own parts
-        holder = next(iter(owners))
-    elif holder is None:
-        _say(
-            f"{args.directory}: own parts and replicas look alike on disk; give --process P "
-            "(the process whose local directory this is) to tell them apart",
-            err=True,
-        )
     rows: list[dict[str, Any]] = []
     for q in sorted(owners):
         with _open(str(owners[q]), args.step_prefix, args.step_digits) as mgr:
-            held = None if holder is None else ("own" if q == holder else "replica")
-            rows += [
-                {"step": r["step"], "owner": q, "held": held} | r
-                for r in _ls_rows(mgr, args, policy)
-            ]
+            rows += [{"step": r["step"], "owner": q} | r for r in _ls_rows(mgr, args, policy)]
+    recorded = {_holder(row) for row in rows} - {None}
+    if holder is None and len(recorded) == 1:
+        holder = recorded.pop()
+    elif holder is None and len(owners) == 1:  # no replicas: the holder's own parts
+        holder = next(iter(owners))
+    for row in rows:
+        q, by = row["owner"], holder if args.process is not None else _holder(row)
+        by = holder if by is None else by
+        row["held"] = None if by is None else ("own" if q == by else "replica")
+    rows = [{"step": r["step"], "owner": r["owner"], "held": r["held"]} | r for r in rows]
+    if any(row["held"] is None for row in rows):
+        _say(
+            f"{args.directory}: some parts do not record which process holds them; give "
+            "--process P (the process whose local directory this is) to tell own parts from "
+            "replicas",
+            err=True,
+        )
     return sorted(rows, key=lambda r: (r["step"], r["owner"]))
+
+
+def _holder(row: dict[str, Any]) -> int | None:
+    """The process that committed this copy of a part, as its record says (None if it does not,
+    or says something that is not a process index)."""
+    holder = row.get("part", {}).get("holder")
+    return holder if type(holder) is int and holder >= 0 else None
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -813,7 +828,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="P",
         help="the directory is process P's local directory: its parts in process_P are its own, the "
-        "others replicas",
+        "others replicas (by default, as each part records the process that committed it)",
     )
     _keep_options(ls)
     show = command("show", _show, "one step: its items, and the arrays with shapes and dtypes")

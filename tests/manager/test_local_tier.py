@@ -96,6 +96,7 @@ def test_each_tier_saves_its_steps_and_restore_takes_the_newest(
         "processes": 1,
         "save": part["metadata"][PART]["save"],
         "persistent": True,
+        "holder": 0,
     }
     with manager(tmp_path, async_save=async_save) as mgr:
         assert mgr.latest_step() == 30

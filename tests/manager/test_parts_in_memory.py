@@ -7,6 +7,7 @@ removed after its restore."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from cairn.handlers.io import MemorySource
 from cairn.manager import CorruptCheckpointError
 from cairn.manager._core import replicas
 from cairn.manager._core.post import FilePiece
-from cairn.manager._format import Manifest
+from cairn.manager._format import PART, Manifest
 
 
 def received(mgr: Any, step: int) -> tuple[Manifest, replicas.Files]:
@@ -45,9 +46,14 @@ def test_a_part_sent_back_restores_from_memory_bit_exact(tmp_path: Path) -> None
         wanted = {"state": None, "data": Shuffled(seed=3)}
         restored = mgr._local.inner._reader.restore_part(manifest, files, wanted)
         check(restored, 6)
-        # a received part commits as its owner committed it
-        job = replicas.received_job(manifest, files)
+        # a received part commits as its owner committed it, but for the holder in its record
+        job = replicas.received_job(manifest, files, holder=3)
         assert sorted(job.snapshots) == sorted(items(6)) and job.step == 6
+        assert manifest.metadata[PART]["holder"] == 0
+        assert job.metadata[PART] == {**manifest.metadata[PART], "holder": 3}
+        bare = dataclasses.replace(manifest, metadata={})
+        with pytest.raises(CorruptCheckpointError, match="step 6 has no part record"):
+            replicas.received_job(bare, files, holder=3)
 
 
 @pytest.mark.parametrize("damage", ["flip", "short", "missing", "extra"])

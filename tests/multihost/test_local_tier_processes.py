@@ -6,6 +6,7 @@ after every restore."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -30,6 +31,12 @@ def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> li
         else:
             assert r.returncode == 0, r.stderr[-3000:]
     return [r.stdout + r.stderr for r in results]
+
+
+def holder(step_dir: Path) -> tuple[int, int]:
+    """A part's owner and the process that committed this copy, as its record says."""
+    part = json.loads((step_dir / "_CHECKPOINT.json").read_text())["metadata"]["cairn_part"]
+    return part["process"], part["holder"]
 
 
 def restored(outs: list[str]) -> int:
@@ -78,9 +85,11 @@ def test_a_lost_local_directory_is_served_by_a_peer_replica(
         "checkpoint_10",
         "checkpoint_12",
     ]
+    assert holder(local / "local-0" / "process_1" / "checkpoint_12") == (1, 0)  # a replica
+    assert holder(local / "local-0" / "process_0" / "checkpoint_12") == (0, 0)  # its own
     outs = run(place, local, "resume", wipe=1, replicas=1)
     assert restored(outs) == 12
-    assert (local / "local-1" / "process_1" / "checkpoint_12").is_dir()
+    assert holder(local / "local-1" / "process_1" / "checkpoint_12") == (1, 1)  # its own again
     for out in outs:
         assert "after [10, 13] [12, 13]" in out, out
     outs = run(place, local, "resume", wipe=0, replicas=1, corrupt_replica=1)
