@@ -38,6 +38,7 @@ from cairn.handlers._files import (
     lower_thread_priority,
     open_regular,
     parse_json,
+    read_direct,
     read_no_follow,
     within,
 )
@@ -55,7 +56,7 @@ from cairn.handlers._protocol import (
     share_snapshot,
     snapshot_version,
 )
-from cairn.handlers._staging import Slab, StagingPool, staging_for
+from cairn.handlers._staging import Slab, StagingPool, round_up, staging_for
 from cairn.handlers._tree import dtype_from_name, dtype_name
 
 __all__ = [
@@ -88,8 +89,10 @@ __all__ = [
     "orbax_listing_kind",
     "orbax_reads_finish",
     "parse_json",
+    "read_direct",
     "read_no_follow",
     "release_snapshot",
+    "round_up",
     "settle_snapshot",
     "share_snapshot",
     "snapshot_version",

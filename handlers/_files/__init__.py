@@ -19,6 +19,7 @@ from cairn.handlers._files.disk import (
     LocalDestination,
     aligned_empty,
     as_destination,
+    read_direct,
 )
 from cairn.handlers._files.localio import (
     ChecksummedFile,
@@ -82,6 +83,7 @@ __all__ = [
     "lower_thread_priority",
     "open_regular",
     "parse_json",
+    "read_direct",
     "read_no_follow",
     "within",
     "write_file",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -20,7 +21,14 @@ from cairn.handlers import LocalDestination, TrainStateHandler
 from cairn.handlers._files import DIRECT_MIN, io_priority
 from cairn.handlers._files.disk import _NO_DIRECT_DEVICES
 from cairn.handlers._staging import PAGE, StagingPool, staging_for
-from cairn.handlers.io import BACKGROUND_NICE, WriteBudget, lower_thread_priority
+from cairn.handlers.io import (
+    BACKGROUND_NICE,
+    WriteBudget,
+    aligned_empty,
+    lower_thread_priority,
+    read_direct,
+    round_up,
+)
 
 MiB = 1 << 20
 
@@ -243,6 +251,45 @@ def test_a_manager_on_that_filesystem_saves_and_restores(ramfs: Path) -> None:
             mgr.wait_until_finished()
         np.testing.assert_array_equal(mgr.restore(2)["state"]["w"], state["w"] + 2)
         assert mgr.verify(2) == []
+
+
+def test_a_file_is_read_past_the_page_cache(tmp_path: Path) -> None:
+    """read_direct: a file written with O_DIRECT is read with O_DIRECT (its pages stay out of the
+    page cache), whole blocks into a buffer of whole pages, the bytes past its end dropped; a
+    buffer too short or off a page, or a file shorter than asked, is refused."""
+    region, data = aligned(3 * MiB + 100)
+    LocalDestination(tmp_path).write_file("f", memoryview(data))  # type: ignore[arg-type]
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        into = aligned_empty((round_up(data.nbytes),), np.dtype(np.uint8))
+        got = read_direct(fd, data.nbytes, into)
+        assert got.nbytes == data.nbytes and bytes(got) == data.tobytes()
+        assert resident_pages(tmp_path / "f") <= 1  # the tail, written through the page cache
+        assert bytes(read_direct(fd, 5, into)) == data.tobytes()[:5]  # a file's start
+        with pytest.raises(ValueError, match="for a read of"):
+            read_direct(fd, data.nbytes, into[: data.nbytes])  # not whole pages
+        with pytest.raises(ValueError, match="for a read of"):
+            read_direct(fd, 100, into[1 : 1 + PAGE])  # off a page
+        with pytest.raises(EOFError, match=f"ended at byte {data.nbytes} of {data.nbytes + 1}"):
+            read_direct(fd, data.nbytes + 1, aligned_empty((4 * MiB,), np.dtype(np.uint8)))
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT  # the descriptor as it was
+    finally:
+        os.close(fd)
+    del data
+    region.close()
+
+
+def test_a_file_on_a_filesystem_without_o_direct_is_read_through_the_page_cache(
+    ramfs: Path,
+) -> None:
+    data = os.urandom(2 * MiB + 7)
+    (ramfs / "f").write_bytes(data)
+    fd = os.open(ramfs / "f", os.O_RDONLY)
+    try:
+        into = aligned_empty((round_up(len(data)),), np.dtype(np.uint8))
+        assert bytes(read_direct(fd, len(data), into)) == data
+    finally:
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- write budget

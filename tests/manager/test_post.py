@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from multiprocessing.connection import Client
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.logwait import logged
-from support.pages import resident_pages
+from support.pages import PAGE, resident_pages
 
 from cairn.handlers import LocalDestination
 from cairn.manager._core.post import FilePiece, Post
@@ -128,7 +129,7 @@ def test_a_part_shorter_than_its_header_says_is_refused(
     pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b = pair
-    with logged("EOFError: the connection closed within a piece of 100 bytes") as refused:
+    with logged("EOFError: the connection closed within a part of 103 bytes") as refused:
         with Client(b.post.address, authkey=b.post.key) as conn:
             conn.send_bytes(b'{"owner": 0, "step": 1, "back": false, "sizes": [3, 100]}')
             os.write(conn.fileno(), b"abc" + b"d" * 10)
@@ -260,6 +261,27 @@ def test_what_a_holder_receives_goes_to_its_disk_past_the_page_cache(
     assert b.post.wait_received([0], 29) == []
     assert resident_pages(tmp_path / "held" / "1") <= 1  # the tail's page
     assert (tmp_path / "held" / "1").read_bytes() == data
+
+
+def test_the_memory_of_a_part_serves_the_next(pair: tuple[Holder, Holder], tmp_path: Path) -> None:
+    """A part's pieces are received into one buffer, each on a page, and once it is committed
+    that buffer receives the next part (memory touched before costs no page faults); the
+    sender reads a part's files into a buffer it reuses too."""
+    a, b = pair
+    where: list[list[int]] = []
+    b.post.open(lambda owner, step, pieces: where.append([address(p) for p in pieces]))
+    path = tmp_path / "pack"
+    path.write_bytes(os.urandom(3 << 20))
+    for step in (30, 32):
+        fd = os.open(path, os.O_RDONLY)
+        a.post.send(0, step, [1], lambda fd=fd: [b"header", FilePiece(fd, 3 << 20)], wait=True)
+    assert where[0] == where[1] and where[0][0] % PAGE == 0
+    assert where[0][1] - where[0][0] == PAGE  # the header's piece, then the file's on a page
+    assert len(a.post._buffers._free) == 1 and len(b.post._buffers._free) == 1
+
+
+def address(piece: memoryview) -> int:
+    return int(np.frombuffer(piece, np.uint8).ctypes.data)
 
 
 def test_a_part_sent_back_waits_for_its_owner(pair: tuple[Holder, Holder]) -> None:
