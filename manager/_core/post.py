@@ -74,10 +74,10 @@ class Post:
     one part is in flight, and a save returns only once the part before it is held. `deliver`
     runs on a receiving thread and touches only the managers of other processes' parts, which
     the caller thread only waits on (drain) or reads after `wait_sent` and a meeting of every
-    process. `_Buffers` is thread-safe; a buffer taken is used by one thread until given
-    back."""
+    process. The memory parts move through is kept for the next (at most `spare` buffers,
+    `_Buffers`, thread-safe; a buffer taken is used by one thread until given back)."""
 
-    def __init__(self, timeout: float, me: int) -> None:
+    def __init__(self, timeout: float, me: int, *, spare: int = 2) -> None:
         self._timeout, self._me = timeout, me
         self._deliver: Callable[[int, int, list[memoryview]], None] | None = None  # by `open`
         self._opened = threading.Event()
@@ -89,7 +89,7 @@ class Post:
         self._received: dict[int, int] = {}  # owner -> the newest step it sent (or had none of)
         self._back: dict[int, list[memoryview]] = {}  # step -> this process's part, sent back
         self._changed = threading.Condition()
-        self._buffers = _Buffers()
+        self._buffers = _Buffers(spare)
         self._closing = False
         self._sender = ThreadPoolExecutor(
             1, thread_name_prefix="cairn-local-send", initializer=lower_thread_priority
@@ -406,7 +406,7 @@ class _Buffers:
     pages never touched cost nothing). At most `spare` buffers are kept between uses, the
     largest. Thread-safe."""
 
-    def __init__(self, spare: int = 4) -> None:
+    def __init__(self, spare: int) -> None:
         self._spare = spare
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()

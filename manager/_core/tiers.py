@@ -168,7 +168,8 @@ class Local:
         """Open this process's directories of parts with `make` (the manager class), agree."""
         me, count = together.procs.index, together.procs.count
         replicas = min(tier.replicas, count - 1)
-        post = Post(options.barrier_timeout, me) if replicas > 0 else None
+        # buffers kept: one to send from, one for each owner's part received at once
+        post = Post(options.barrier_timeout, me, spare=replicas + 1) if replicas > 0 else None
         managers: dict[int, Any] = {}
         try:
             ring = _ring(tier, together, options.barrier_timeout, post)

@@ -17,18 +17,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(
-    scenario: str,
-    directory: Path | str,
-    count: int = 2,
-    timeout: float = 180,
-    env: dict[str, str] | None = None,
-) -> list[subprocess.CompletedProcess[str]]:
-    """Run `count` workers of `scenario` to completion; their results, in process order.
+def start(
+    scenario: str, directory: Path | str, count: int = 2, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Start `count` workers of `scenario`, in process order (the caller waits for them).
     `directory` is a path or an object-store URL (the servers' settings are in os.environ)."""
     port = str(free_port())
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(env or {})}
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(i), str(count), port, str(directory)],
             stdout=subprocess.PIPE,
@@ -38,8 +34,19 @@ def launch(
         )
         for i in range(count)
     ]
+
+
+def launch(
+    scenario: str,
+    directory: Path | str,
+    count: int = 2,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `count` workers of `scenario` to completion (`start`); their results, in process
+    order."""
     results = []
-    for proc in procs:
+    for proc in start(scenario, directory, count, env):
         out, err = proc.communicate(timeout=timeout)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results

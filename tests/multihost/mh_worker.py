@@ -261,7 +261,9 @@ def local_tier(procs: Any, directory: str) -> None:
     name several processes, comma-separated, too);
     CAIRN_TEST_ASYNC=0: async_save=False; CAIRN_TEST_MUTE_HOLDERS: the processes not wiped send
     back no replica in a restore (as a holder that cannot reach its owner);
-    CAIRN_TEST_BARRIER: barrier_timeout= (30 by default)."""
+    CAIRN_TEST_STOP_HOLDERS: the same processes stop themselves (SIGSTOP) where they would send
+    back (a holder that hangs during a restore); CAIRN_TEST_BARRIER: barrier_timeout= (30 by
+    default)."""
     import shutil
     from pathlib import Path
 
@@ -340,6 +342,14 @@ def local_tier(procs: Any, directory: str) -> None:
         from cairn.manager._core.post import Post
 
         Post.send_back = lambda self, step, parts: print(f"not sending back {step}", flush=True)  # type: ignore[method-assign]
+    if env.get("CAIRN_TEST_STOP_HOLDERS") and procs.index not in wiped:
+        from cairn.manager._core.post import Post
+
+        def stop(self: Any, step: int, parts: Any) -> None:
+            print(f"stopping in the restore of {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        Post.send_back = stop  # type: ignore[method-assign]
     if env.get("CAIRN_TEST_RESHARD"):  # other shardings than saved: parts cannot serve them
         sharded = NamedSharding(mesh, P(None, ("data", "model")))
     target = {

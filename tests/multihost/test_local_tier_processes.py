@@ -10,12 +10,14 @@ import json
 import random
 import re
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Place
-from launcher import launch
+from launcher import launch, start
 
 
 def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> list[str]:
@@ -37,6 +39,30 @@ def holder(step_dir: Path) -> tuple[int, int]:
     """A part's owner and the process that committed this copy, as its record says."""
     part = json.loads((step_dir / "_CHECKPOINT.json").read_text())["metadata"]["cairn_part"]
     return part["process"], part["holder"]
+
+
+class When(threading.Event):
+    """Set when a line holding `text` came on a stream (`at`: time.monotonic() then; `seen`:
+    the lines until then)."""
+
+    at = 0.0
+    seen = ""
+    reader: threading.Thread
+
+
+def when(stream: Any, text: str) -> When:
+    event = When()
+
+    def read() -> None:
+        for line in stream:
+            event.seen += line
+            if text in line and not event.is_set():
+                event.at = time.monotonic()
+                event.set()
+
+    event.reader = threading.Thread(target=read, daemon=True)
+    event.reader.start()
+    return event
 
 
 def restored(outs: list[str]) -> int:
@@ -113,6 +139,48 @@ def test_a_replica_that_does_not_come_back_is_struck_out(tmp_path: Path) -> None
         assert (
             f"process 1 could not read its part of step {12 - 2 * p} from the peer tier" in outs[0]
         )
+
+
+def test_a_holder_that_hangs_in_a_restore_fails_it_on_time_and_a_restart_recovers(
+    tmp_path: Path,
+) -> None:
+    """replicas=1, process 0's local directory wiped, and process 1, which holds its replica,
+    stops (SIGSTOP) where it would send it back: process 0 waits barrier_timeout for its part,
+    then the restore's vote waits barrier_timeout for process 1, and process 0's restore raises
+    BarrierTimeoutError naming the meeting, about 16 s after process 1 stopped. Both are killed
+    (JAX's own exit would wait for a heartbeat timeout); a restart of both gets step 12 back
+    from that replica."""
+    place, local = Place(str(tmp_path / "persistent")), tmp_path / "local"
+    run(place, local, "save", steps=12, replicas=1)
+    settings = {
+        "CAIRN_TEST_LOCAL": str(local),
+        "CAIRN_TEST_PHASE": "resume",
+        "CAIRN_TEST_REPLICAS": "1",
+        "CAIRN_TEST_WIPE": "0",
+        "CAIRN_TEST_STOP_HOLDERS": "1",
+        "CAIRN_TEST_BARRIER": "8",
+    }
+    owner, holder = start("local", place.directory, env=settings)
+    # the time each line came, read as it comes (JAX's exit would wait for a heartbeat timeout)
+    stopped = when(holder.stdout, "stopping in the restore of 12")
+    failed = when(owner.stderr, "BarrierTimeoutError: process 0 of 2")
+    try:
+        assert stopped.wait(120) and failed.wait(120)
+        assert holder.poll() is None  # stopped, not dead
+    finally:
+        for proc in (owner, holder):
+            proc.kill()
+            proc.wait(60)
+        for event in (stopped, failed):
+            event.reader.join(60)  # at the end of its stream
+        for stream in (owner.stdout, owner.stderr, holder.stdout, holder.stderr):
+            stream.close()  # type: ignore[union-attr]
+    err = failed.seen
+    assert "did not send it within 8 s" in err and "barrier 'cairn/" in err, err[-3000:]
+    assert "/local/vote/" in err, err[-3000:]
+    assert 12 < failed.at - stopped.at < 40, (failed.at - stopped.at, err[-3000:])  # 8 s + 8 s
+    outs = run(place, local, "resume", replicas=1)
+    assert restored(outs) == 12
 
 
 def test_replicas_go_to_another_failure_domain(tmp_path: Path) -> None:
