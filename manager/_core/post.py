@@ -353,11 +353,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _write_pieces(conn: Connection, pieces: Sequence[Piece]) -> None:
+def _write_pieces(conn: Connection, pieces: Sequence[bytes | memoryview]) -> None:
     """The pieces' bytes, as they are, after the header."""
     fd = conn.fileno()
     for piece in pieces:
-        view = memoryview(piece).cast("B")  # type: ignore[arg-type]
+        view = memoryview(piece).cast("B")
         while view.nbytes:
             view = view[os.write(fd, view) :]
 

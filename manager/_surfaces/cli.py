@@ -31,7 +31,12 @@ from cairn.handlers.io import optional
 from cairn.manager._core.manager import CheckpointManager
 from cairn.manager._format import PART, StepNames, namings
 from cairn.manager._layouts.orbax import is_orbax_step
-from cairn.manager._surfaces.cli_parts import owner_directories, part_cells, part_columns
+from cairn.manager._surfaces.cli_parts import (
+    mark_held,
+    owner_directories,
+    part_cells,
+    part_columns,
+)
 
 
 class _UsageError(Exception):
@@ -351,30 +356,19 @@ def _ls_local(
     args: argparse.Namespace, policy: Any, owners: dict[int, Path]
 ) -> list[dict[str, Any]]:
     """`ls` of a local tier's directory: the parts of each ``process_<q>/`` in it, one row each,
-    by step and owner; `held` says whether a part is the holder's own or a replica: as
-    --process says (the process whose directory this is), else as the part's record says
-    (`holder`, the process that committed that copy), else as the directory's other parts say
-    (their one holder, or one ``process_<q>/`` alone: no replicas); None where none of that is
-    known (parts saved before cairn recorded holders, or a damaged one among several holders)."""
-    holder = args.process
-    if holder is not None and holder not in owners:
+    by step and owner, `held` saying whether each is the holder's own or a replica
+    (`mark_held`)."""
+    if args.process is not None and args.process not in owners:
         have = ", ".join(f"process_{q}" for q in sorted(owners))
-        raise _UsageError(f"{args.directory}: no process_{holder} in it (it holds {have})")
+        raise _UsageError(f"{args.directory}: no process_{args.process} in it (it holds {have})")
     rows: list[dict[str, Any]] = []
     for q in sorted(owners):
         with _open(str(owners[q]), args.step_prefix, args.step_digits) as mgr:
-            rows += [{"step": r["step"], "owner": q} | r for r in _ls_rows(mgr, args, policy)]
-    recorded = {_holder(row) for row in rows} - {None}
-    if holder is None and len(recorded) == 1:
-        holder = recorded.pop()
-    elif holder is None and len(owners) == 1:  # no replicas: the holder's own parts
-        holder = next(iter(owners))
-    for row in rows:
-        q, by = row["owner"], holder if args.process is not None else _holder(row)
-        by = holder if by is None else by
-        row["held"] = None if by is None else ("own" if q == by else "replica")
-    rows = [{"step": r["step"], "owner": r["owner"], "held": r["held"]} | r for r in rows]
-    if any(row["held"] is None for row in rows):
+            rows += [
+                {"step": r["step"], "owner": q, "held": None} | r
+                for r in _ls_rows(mgr, args, policy)
+            ]
+    if mark_held(rows, len(owners), args.process):
         _say(
             f"{args.directory}: some parts do not record which process holds them; give "
             "--process P (the process whose local directory this is) to tell own parts from "
@@ -382,13 +376,6 @@ def _ls_local(
             err=True,
         )
     return sorted(rows, key=lambda r: (r["step"], r["owner"]))
-
-
-def _holder(row: dict[str, Any]) -> int | None:
-    """The process that committed this copy of a part, as its record says (None if it does not,
-    or says something that is not a process index)."""
-    holder = row.get("part", {}).get("holder")
-    return holder if type(holder) is int and holder >= 0 else None
 
 
 def _ls(args: argparse.Namespace) -> int:

@@ -29,6 +29,33 @@ def owner_directories(directory: str) -> dict[int, Path]:
     return found
 
 
+def mark_held(rows: list[dict[str, Any]], owners: int, process: int | None) -> bool:
+    """Set each row's `held` (of a local tier's directory with `owners` ``process_<q>/``):
+    ``"own"`` or ``"replica"`` as `process` says (the process whose directory this is), else
+    as the part's record says (`holder`, the process that committed that copy), else as the
+    directory's other parts say (their one holder, or one ``process_<q>/`` alone: no
+    replicas); None where none of that is known (parts saved before cairn recorded holders, or
+    a damaged part among several holders). Whether some row's is None."""
+    holder = process
+    recorded = {_holder(row) for row in rows} - {None}
+    if holder is None and len(recorded) == 1:
+        holder = recorded.pop()
+    elif holder is None and owners == 1:  # no replicas: the holder's own parts
+        holder = rows[0]["owner"] if rows else None
+    for row in rows:
+        recorded_by = _holder(row)
+        by = holder if process is not None or recorded_by is None else recorded_by
+        row["held"] = None if by is None else ("own" if row["owner"] == by else "replica")
+    return any(row["held"] is None for row in rows)
+
+
+def _holder(row: dict[str, Any]) -> int | None:
+    """The process that committed this copy of a part, as its record says (None if it does not,
+    or says something that is not a process index)."""
+    holder = row.get("part", {}).get("holder")
+    return holder if type(holder) is int and holder >= 0 else None
+
+
 def part_columns(*, local: bool) -> list[str]:
     """The part columns' headers (`held` only in a local tier's directory)."""
     return ["process", *(["held"] if local else []), "save", "persistent"]
