@@ -250,36 +250,44 @@ def read_direct(fd: int, size: int, into: np.ndarray) -> memoryview:
     whole = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
     if into.nbytes < whole or _address(into.data) % DIRECT_ALIGN:
         raise ValueError(f"{into.nbytes} bytes at {_address(into.data):#x} for a read of {size}")
-    device, flags = os.fstat(fd).st_dev, fcntl.fcntl(fd, fcntl.F_GETFL)
-    direct = bool(_O_DIRECT) and device not in _NO_DIRECT_DEVICES
-    if direct:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            _NO_DIRECT_DEVICES.add(device)
-            direct = False
+    flags = _direct_on(fd)  # None once reading through the page cache
     try:
         at, view = 0, into[:whole].data
         while at < size:
             try:
                 n = os.preadv(fd, [view[at : at + _DIRECT_PIECE]], at)
             except OSError as e:
-                if not direct or e.errno != errno.EINVAL:
+                if flags is None or e.errno != errno.EINVAL:
                     raise
                 if at == 0:  # refused at the first read (some filesystems do)
-                    _NO_DIRECT_DEVICES.add(device)
+                    _NO_DIRECT_DEVICES.add(os.fstat(fd).st_dev)
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # (or a short read left `at` off a block)
-                direct = False
+                flags = None
                 continue
             if n == 0:
                 raise EOFError(f"the file ended at byte {at} of {size}")
             at += n
     finally:
-        if direct:
+        if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return into[:size].data
+
+
+def _direct_on(fd: int) -> int | None:
+    """Turn ``O_DIRECT`` on for `fd`: its flags before (the caller sets them back), or None
+    where its filesystem refuses ``O_DIRECT`` (asked once per device, then remembered)."""
+    device = os.fstat(fd).st_dev
+    if not _O_DIRECT or device in _NO_DIRECT_DEVICES:
+        return None
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        _NO_DIRECT_DEVICES.add(device)
+        return None
+    return flags
 
 
 def _address(view: memoryview) -> int:
@@ -294,16 +302,8 @@ def _write_direct(fd: int, view: memoryview) -> int:
     """Write `view` (page aligned, whole pages) at the start of `fd` with ``O_DIRECT``; the bytes
     written, short of all of them where the filesystem refuses it (then ``O_DIRECT`` is off
     again and the caller writes the rest through the page cache)."""
-    device = os.fstat(fd).st_dev
-    if device in _NO_DIRECT_DEVICES:
-        return 0
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        _NO_DIRECT_DEVICES.add(device)
+    flags = _direct_on(fd)
+    if flags is None:
         return 0
     done = 0
     try:
@@ -315,7 +315,7 @@ def _write_direct(fd: int, view: memoryview) -> int:
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        _NO_DIRECT_DEVICES.add(device)  # refused at the first write (some filesystems do)
+        _NO_DIRECT_DEVICES.add(os.fstat(fd).st_dev)  # refused at the first write (some do)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return done

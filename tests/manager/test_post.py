@@ -23,7 +23,7 @@ from support.logwait import logged
 from support.pages import PAGE, resident_pages
 
 from cairn.handlers import LocalDestination
-from cairn.manager._core.post import FilePiece, Post
+from cairn.manager._core.post import FilePiece, Post, _Buffers
 
 
 def joined(pieces: list[memoryview]) -> bytes:
@@ -278,6 +278,18 @@ def test_the_memory_of_a_part_serves_the_next(pair: tuple[Holder, Holder], tmp_p
     assert where[0] == where[1] and where[0][0] % PAGE == 0
     assert where[0][1] - where[0][0] == PAGE  # the header's piece, then the file's on a page
     assert len(a.post._buffers._free) == 1 and len(b.post._buffers._free) == 1
+    a.post.close()
+    assert a.post._buffers._free == []  # freed at close
+
+
+def test_at_most_spare_buffers_are_kept_the_largest() -> None:
+    buffers = _Buffers(2)
+    taken = [buffers.take(n) for n in (1 << 20, 3 << 20, 2 << 20)]
+    for buffer in taken:
+        buffers.give(buffer)
+    assert [b.nbytes for b in buffers._free] == [taken[2].nbytes, taken[1].nbytes]
+    assert buffers.take(1) is taken[2]  # the smallest that fits
+    assert buffers.take(4 << 20).nbytes >= 4 << 20  # none fits: a new one
 
 
 def address(piece: memoryview) -> int:
