@@ -78,9 +78,11 @@ bench-overhead: install
 bench-first-save: install
 	$(BIN)/python bench/bench_first_save.py
 
-# A local tier beside S3 (moto), 2 jax.distributed processes, 1 GiB: about 15 minutes.
+# A local tier beside S3 (moto), 2 jax.distributed processes, 1 GiB, local directories on this
+# machine's disk, then on a RAM disk (/dev/shm): about 15-25 minutes each.
 bench-multitier: install
 	$(BIN)/python bench/bench_multitier.py
+	$(BIN)/python bench/bench_multitier.py --ramdisk
 
 bench-incremental: install
 	$(BIN)/python bench/bench_incremental.py

@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/bench_multitier.py               # the full run: 1 GiB, 3 rounds
     .venv/bin/python bench/bench_multitier.py --quick       # a smoke run: 64 MiB, 1 round (*.tmp)
+    .venv/bin/python bench/bench_multitier.py --ramdisk     # local directories on /dev/shm
 
 Starts moto's S3 server on 127.0.0.1 for each round (bench_objectstore.start_moto: objects in
 memory, on the same cores as everything else) and launches 2 real `jax.distributed` processes on 127.0.0.1 per
 phase (bench/mt_bench_worker.py, two CPU devices each). The state: `--size` bytes of float32
 leaves of 4096 x 1024 (16 MiB) over a (2, 2) mesh, PartitionSpec("data", "model"), so each
-process holds half. Local directories live under bench/results/tmp (this machine's disk).
+process holds half. Local directories live under bench/results/tmp (this machine's disk), or
+with --ramdisk on /dev/shm (tmpfs: a RAM disk, where Orbax's emergency manager and MaxText keep
+their local checkpoints; results in multitier-ramdisk.json).
 
 Per round, in fresh buckets and directories:
 
@@ -27,14 +30,15 @@ Per round, in fresh buckets and directories:
    wiped: it reads S3, process 0 its own part).
 
 The machine's limits, in the same run: a plain memcpy and a plain write+fsync of one process's
-half of the state (to the disk of the local directories); for the replicas: a plain jitted
+half of the state (to where the local directories are); for the replicas: a plain jitted
 ppermute of that half, already on the device, to the other process, and the same bytes over a
 plain socket from memory to memory (the faster of the two is the fastest a part moves here),
 and the training time lost while background threads send it to the other process over a plain
 socket and receive the other's, then also write and fsync what they received (the least any
 background replication could cost here).
 
-Results: bench/results/multitier.json; plot: docs/benchmarks_multitier.png.
+Results: bench/results/multitier.json; plot: docs/benchmarks_multitier.png (-ramdisk in both
+names with --ramdisk).
 """
 
 from __future__ import annotations
@@ -115,14 +119,16 @@ def limits(nbytes: int, where: Path) -> dict[str, float]:
     return {"memcpy_s": memcpy, "write_fsync_s": write}
 
 
-def one_round(endpoint: str, size: int, workdir: Path, train_s: float) -> dict[str, Any]:
+def one_round(
+    endpoint: str, size: int, workdir: Path, local_root: Path, train_s: float
+) -> dict[str, Any]:
     env = {**s3util.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
     leaves = max(1, size // (ROWS * COLS * 4))
     shape = {"rows": ROWS, "cols": COLS, "leaves": leaves}
     runs = {}
     for replicas in (1, 0):
         url = f"s3://{make_bucket('s3', endpoint)}/run"
-        local = Path(tempfile.mkdtemp(prefix=f"local-r{replicas}-", dir=workdir))
+        local = Path(tempfile.mkdtemp(prefix=f"local-r{replicas}-", dir=local_root))
         runs[replicas] = (url, local)
         spec = {"phase": "save", "url": url, "local": str(local), "replicas": replicas}
         got = launch({**spec, "train_s": train_s, **shape}, env, workdir)
@@ -148,7 +154,7 @@ def one_round(endpoint: str, size: int, workdir: Path, train_s: float) -> dict[s
             **shape,
         }
         figures[f"restore_{name}_s"] = max(g["restore_s"] for g in launch(spec, env, workdir))
-    figures |= limits(leaves * ROWS * COLS * 4 // 2, workdir)
+    figures |= limits(leaves * ROWS * COLS * 4 // 2, local_root)
     figures["bytes"] = float(leaves * ROWS * COLS * 4)
     for _, local in [v for k, v in runs.items() if k in (0, 1)]:  # type: ignore[misc]
         shutil.rmtree(local, ignore_errors=True)
@@ -281,11 +287,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--train-s", type=float, default=12.0, help="training after each save")
+    parser.add_argument(
+        "--ramdisk",
+        action="store_true",
+        help="local directories on a RAM disk (/dev/shm), as Orbax's emergency manager and "
+        "MaxText keep them, instead of this machine's disk",
+    )
     args = parser.parse_args()
     size = parse_size("64MiB" if args.quick else args.size)
     rounds_n = 1 if args.quick else args.rounds
     SCRATCH.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="multitier-", dir=SCRATCH))
+    local_root = (
+        Path(tempfile.mkdtemp(prefix="cairn-multitier-", dir="/dev/shm"))
+        if args.ramdisk
+        else workdir
+    )
     rounds = []
     try:
         for k in range(rounds_n):  # a moto server per round: it keeps every object in memory
@@ -293,17 +310,30 @@ def main() -> None:
             server, endpoint = start_moto(Path(tempfile.mkdtemp(prefix="moto-", dir=workdir)))
             try:
                 train_s = 3.0 if args.quick else args.train_s
-                rounds.append(one_round(endpoint, size, workdir, train_s))
+                rounds.append(one_round(endpoint, size, workdir, local_root, train_s))
             finally:
                 stop(server)
             print(f"round {k + 1}/{rounds_n} in {time.monotonic() - t0:.0f} s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(local_root, ignore_errors=True)
     summary = summarise(rounds)
-    summary["size_label"] = f"{size / MiB:.0f} MiB"
+    summary["size_label"] = f"{size / MiB:.0f} MiB" + (
+        ", local tier on a RAM disk" if args.ramdisk else ""
+    )
+    medium = "-ramdisk" if args.ramdisk else ""
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    result = {"when": when, "machine": machine_facts(), "size": size, "rounds": rounds, **summary}
-    out = RESULTS / ("multitier-quick.json.tmp" if args.quick else "multitier.json")
+    result = {
+        "when": when,
+        "machine": machine_facts(),
+        "size": size,
+        "local": "RAM disk (/dev/shm)" if args.ramdisk else "disk",
+        "rounds": rounds,
+        **summary,
+    }
+    out = RESULTS / (
+        f"multitier{medium}-quick.json.tmp" if args.quick else f"multitier{medium}.json"
+    )
     out.write_text(json.dumps(result, indent=1))
     print(table(summary))
     for key, (label, op, goal) in GOALS.items():
@@ -311,7 +341,7 @@ def main() -> None:
         ok = med >= goal if op == ">=" else med <= goal
         print(f"{label}: {med:.2f} (goal {op} {goal}) {'met' if ok else 'NOT met'}")
     if not args.quick:
-        plot(summary, REPO / "docs" / "benchmarks_multitier.png")
+        plot(summary, REPO / "docs" / f"benchmarks_multitier{medium}.png")
     print(f"results: {out}")
 
 

@@ -40,6 +40,8 @@ from cairn.handlers._files import (
     parse_json,
     read_direct,
     read_no_follow,
+    resident,
+    resident_pages,
     within,
 )
 from cairn.handlers._iterators import decode_state, encode_state, has_state_methods
@@ -92,6 +94,8 @@ __all__ = [
     "read_direct",
     "read_no_follow",
     "release_snapshot",
+    "resident",
+    "resident_pages",
     "round_up",
     "settle_snapshot",
     "share_snapshot",

@@ -20,6 +20,8 @@ from cairn.handlers._files.disk import (
     aligned_empty,
     as_destination,
     read_direct,
+    resident,
+    resident_pages,
 )
 from cairn.handlers._files.localio import (
     ChecksummedFile,
@@ -85,6 +87,8 @@ __all__ = [
     "parse_json",
     "read_direct",
     "read_no_follow",
+    "resident",
+    "resident_pages",
     "within",
     "write_file",
     "writing_as",

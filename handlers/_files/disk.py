@@ -5,10 +5,13 @@ this process knows of files it wrote or hashed.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import math
+import mmap
 import os
 import stat
 import threading
@@ -271,6 +274,39 @@ def read_direct(fd: int, size: int, into: np.ndarray) -> memoryview:
         if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return into[:size].data
+
+
+def resident(fd: int, size: int) -> bool:
+    """Whether every page of the first `size` bytes of the file `fd` is in memory: in the page
+    cache, or on a RAM disk (tmpfs), whose files are only there. Such a file is sent to a
+    socket with ``sendfile`` for the cost of handing its pages over: 0.09-0.15 s of CPU for
+    512 MiB on tmpfs here, against 0.35-0.48 s read into memory with `read_direct` first; a file
+    that is not would be read into the page cache on the way (1.3 s of kernel CPU per 512 MiB
+    here)."""
+    try:
+        return resident_pages(fd, size) == -(-size // mmap.PAGESIZE)
+    except (OSError, ValueError):  # shorter than `size`, or not a file that maps
+        return False
+
+
+def resident_pages(fd: int, size: int) -> int:
+    """How many pages of the first `size` bytes of the file `fd` are in memory (mincore(2) over
+    a mapping of it; nothing is read)."""
+    if size <= 0:
+        return 0
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+        data = np.frombuffer(mapped, np.uint8)
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        rc = _libc().mincore(ctypes.c_void_p(data.ctypes.data), ctypes.c_size_t(size), vec)
+        del data  # (a mapping closes only once no view of it is left)
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return int(np.count_nonzero(np.ctypeslib.as_array(vec) & 1))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _direct_on(fd: int) -> int | None:

@@ -7,9 +7,10 @@ docs/design/multitier-research.md section 4), so a transfer through them stops t
 
 One exchange per part and holder: the sender sends a header (JSON: owner, step, whether it
 serves a restore, and the size of each piece of the part, `replicas.pack_part`: none when the
-owner has no part of that step to send), then the pieces' bytes as they are (a file's read from
-the disk with ``O_DIRECT`` first; received into one buffer, each piece on a page, and written
-to the holder's disk with ``O_DIRECT``). Both buffers are reused from one save to the next
+owner has no part of that step to send), then the pieces' bytes as they are (a file whose pages
+are all in memory, on a RAM disk or in the page cache, by ``sendfile``; any other read from the
+disk with ``O_DIRECT`` first; received into one buffer, each piece on a page, and written to
+the holder's disk with ``O_DIRECT``). Both buffers are reused from one save to the next
 (`_Buffers`): memory a process touches for the first time costs the kernel a fault per page,
 and that was most of the transfer's CPU here. Only the header is one of
 `Connection`'s messages: its receive copies every message three times over (1.2 s for 512 MiB
@@ -36,7 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from cairn.handlers.io import aligned_empty, lower_thread_priority, read_direct, round_up
+from cairn.handlers.io import (
+    aligned_empty,
+    lower_thread_priority,
+    read_direct,
+    resident,
+    round_up,
+)
 
 log = logging.getLogger("cairn")
 
@@ -48,11 +55,12 @@ _PIECES = 100_000  # the most pieces one header may announce
 
 @dataclasses.dataclass(frozen=True)
 class FilePiece:
-    """A piece of a part read from an open file: `size` bytes of `fd` from its start, read with
-    ``O_DIRECT`` where the filesystem allows it (a file written with ``O_DIRECT`` is not in the
-    page cache, and reading it through there cost 1.3 s of kernel CPU per 512 MiB here, the
-    page cache's pages made and dropped). The sender closes `fd` once the part is sent (or
-    not)."""
+    """A piece of a part read from an open file: `size` bytes of `fd` from its start. Sent with
+    ``sendfile`` where every page of it is in memory (`resident`: a RAM disk's file, or one in
+    the page cache), else read with ``O_DIRECT`` where the filesystem allows it (a file written
+    with ``O_DIRECT`` is not in the page cache, and reading it through there cost 1.3 s of
+    kernel CPU per 512 MiB here, the page cache's pages made and dropped). The sender closes
+    `fd` once the part is sent (or not)."""
 
     fd: int
     size: int
@@ -65,9 +73,12 @@ class Post:
     """This process's side of moving parts: a listener thread that accepts connections, each
     handled on a thread of its own that receives a part of a process this one holds for and
     commits it (`deliver`, one commit at a time), or this process's own part sent back for a
-    restore (kept until `fetched` takes it); and one sender thread that sends parts, one save
-    (or one restore's parts) at a time. Every read and write on a connection is bounded by
-    `timeout` (a stopped peer, or a stray connection, holds no thread for ever).
+    restore (kept until `fetched` takes it); and two sender threads, one for the replicas of
+    saves (at background priority, as the receiving threads of replicas), one for a restore's
+    parts sent back (at normal priority, as their receiving threads: every process waits in the
+    restore), one save or one restore's parts in flight at a time. Every read and write on a
+    connection is bounded by `timeout` (a stopped peer, or a stray connection, holds no thread
+    for ever).
 
     Concurrency: `send`, `send_back`, `wait_sent`, `wait_received`, `fetched` and `close` run
     on the caller thread. `send` first waits until the send before it was answered, so at most
@@ -94,6 +105,9 @@ class Post:
         self._sender = ThreadPoolExecutor(
             1, thread_name_prefix="cairn-local-send", initializer=lower_thread_priority
         )
+        # no training step runs beside a restore, and a niced thread lost the cores to this
+        # process's own reads there
+        self._sender_back = ThreadPoolExecutor(1, thread_name_prefix="cairn-local-send-back")
         self._sending: Future[None] | None = None
         self._thread = threading.Thread(target=self._serve, name="cairn-local-post", daemon=True)
         self._thread.start()
@@ -136,7 +150,7 @@ class Post:
             for owner, payload in parts:
                 self._send(owner, step, [owner], payload, True)
 
-        self._sending = self._sender.submit(each)
+        self._sending = self._sender_back.submit(each)
 
     def wait_sent(self) -> None:
         """Until the holders answered for the part in flight (or failed: logged)."""
@@ -156,14 +170,16 @@ class Post:
         back: bool,
     ) -> None:
         """On the sender thread: every failure is logged (that replica is missing), none raised."""
-        pieces: list[bytes | memoryview] = []
+        opened: list[Piece] = []  # the part as `payload` gave it: its files are closed here
+        pieces: list[Piece] = []  # as it is sent
         buffer = None
         try:
-            buffer, pieces = self._read_files(payload())
+            opened = payload()
+            buffer, pieces = self._read_files(opened)
         except Exception as e:  # its holders hear that there is none, and stop waiting for it
             log.error("cairn: step %d: process %d's part cannot be sent: %r", step, owner, e)
         try:
-            sizes = [memoryview(p).nbytes for p in pieces]
+            sizes = [_size(p) for p in pieces]
             header = {"owner": owner, "step": step, "back": back, "sizes": sizes}
             for holder in holders:
                 try:
@@ -185,36 +201,31 @@ class Post:
                         e,
                     )
         finally:
+            _close_files(opened)
             if buffer is not None:
                 self._buffers.give(buffer)
 
-    def _read_files(
-        self, pieces: list[Piece]
-    ) -> tuple[np.ndarray | None, list[bytes | memoryview]]:
-        """The pieces, each file's read into one reused buffer: the buffer (None if no file:
-        once the part is sent, `_Buffers.give` it back) and the pieces in memory. Every file's
-        descriptor is closed."""
-        files = [p for p in pieces if isinstance(p, FilePiece)]
-        buffer = None
+    def _read_files(self, pieces: list[Piece]) -> tuple[np.ndarray | None, list[Piece]]:
+        """The pieces, each file not all in memory (`resident`) read into one reused buffer:
+        the buffer (None if none: once the part is sent, `_Buffers.give` it back) and the
+        pieces, those files' in memory, the others as they were (to be sent with ``sendfile``;
+        the caller closes every file's descriptor)."""
+        files = [p for p in pieces if isinstance(p, FilePiece) and not resident(p.fd, p.size)]
+        if not files:
+            return None, pieces
+        at, total = _layout([f.size for f in files])
+        buffer = self._buffers.take(total)
         try:
-            if not files:
-                return None, [p for p in pieces if not isinstance(p, FilePiece)]
-            at, total = _layout([f.size for f in files])
-            buffer = self._buffers.take(total)
-            regions = iter(
-                [buffer[a : a + round_up(f.size)] for a, f in zip(at, files, strict=True)]
-            )
+            into = {f.fd: buffer[a : a + round_up(f.size)] for a, f in zip(at, files, strict=True)}
             read = [
-                read_direct(p.fd, p.size, next(regions)) if isinstance(p, FilePiece) else p
+                read_direct(p.fd, p.size, into[p.fd])
+                if isinstance(p, FilePiece) and p.fd in into
+                else p
                 for p in pieces
             ]
         except BaseException:
-            if buffer is not None:
-                self._buffers.give(buffer)
+            self._buffers.give(buffer)
             raise
-        finally:
-            for f in files:
-                os.close(f.fd)
         return buffer, read
 
     # ------------------------------------------------------------------ receiving
@@ -238,7 +249,6 @@ class Post:
             ).start()
 
     def _handle(self, conn: Connection) -> None:
-        lower_thread_priority()  # as every background thread: the training step goes first
         with conn:
             try:
                 _bound(conn, self._timeout)
@@ -257,6 +267,8 @@ class Post:
                 raise TimeoutError(f"no header within {self._timeout:g} s")
             header = _header(conn.recv_bytes(_HEADER_BYTES))
             owner, step, back = header["owner"], header["step"], header["back"]
+            if not back:  # a replica: the training step goes first (a restore's part: its own)
+                lower_thread_priority()
             if back and owner != self._me:
                 raise ValueError(f"a part of process {owner} sent back to process {self._me}")
             take = _fresh if back else self._buffers.take  # a part sent back: its restore's
@@ -325,6 +337,7 @@ class Post:
             self.wait_sent()
         finally:
             self._sender.shutdown()
+            self._sender_back.shutdown()
             self._closing = True
             with contextlib.suppress(OSError):  # wakes the listener thread out of accept()
                 socket.create_connection(self.address, timeout=self._timeout).close()
@@ -353,13 +366,31 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _write_pieces(conn: Connection, pieces: Sequence[bytes | memoryview]) -> None:
-    """The pieces' bytes, as they are, after the header."""
+def _write_pieces(conn: Connection, pieces: Sequence[Piece]) -> None:
+    """The pieces' bytes, as they are, after the header (a file's by ``sendfile``)."""
     fd = conn.fileno()
     for piece in pieces:
+        if isinstance(piece, FilePiece):
+            at = 0
+            while at < piece.size:
+                n = os.sendfile(fd, piece.fd, at, piece.size - at)
+                if n == 0:
+                    raise EOFError(f"a file of the part ended at byte {at} of {piece.size}")
+                at += n
+            continue
         view = memoryview(piece).cast("B")
         while view.nbytes:
             view = view[os.write(fd, view) :]
+
+
+def _size(piece: Piece) -> int:
+    return piece.size if isinstance(piece, FilePiece) else memoryview(piece).nbytes
+
+
+def _close_files(pieces: Sequence[Piece]) -> None:
+    for piece in pieces:
+        if isinstance(piece, FilePiece):
+            os.close(piece.fd)
 
 
 def _read_pieces(

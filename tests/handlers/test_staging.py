@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Gate
-from support.pages import resident_pages
+from support.pages import evict, resident_pages
 
 from cairn.handlers import LocalDestination, TrainStateHandler
 from cairn.handlers._files import DIRECT_MIN, io_priority
@@ -27,6 +27,7 @@ from cairn.handlers.io import (
     aligned_empty,
     lower_thread_priority,
     read_direct,
+    resident,
     round_up,
 )
 
@@ -290,6 +291,34 @@ def test_a_file_on_a_filesystem_without_o_direct_is_read_through_the_page_cache(
         assert bytes(read_direct(fd, len(data), into)) == data
     finally:
         os.close(fd)
+
+
+def test_resident_tells_a_file_in_memory_from_one_on_the_disk(tmp_path: Path, ramfs: Path) -> None:
+    """A file just written through the page cache is in memory, one written with O_DIRECT is
+    not, nor is one whose pages were dropped; a RAM disk's file always is; a file shorter than
+    asked is not, and nothing at all is."""
+    region, data = aligned(3 * MiB)
+    LocalDestination(tmp_path).write_file("direct", memoryview(data))  # type: ignore[arg-type]
+    (tmp_path / "cached").write_bytes(data.tobytes())
+    (ramfs / "ram").write_bytes(data.tobytes())
+    fds = {
+        name: os.open(where / name, os.O_RDONLY)
+        for where, name in ((tmp_path, "direct"), (tmp_path, "cached"), (ramfs, "ram"))
+    }
+    try:
+        assert not resident(fds["direct"], data.nbytes)
+        assert resident(fds["cached"], data.nbytes)
+        assert not resident(fds["cached"], data.nbytes + 1)  # past its end
+        assert resident(fds["cached"], 0)
+        evict(tmp_path / "cached")
+        assert not resident(fds["cached"], data.nbytes)
+        evict(ramfs / "ram")
+        assert resident(fds["ram"], data.nbytes)  # it has nowhere else to be
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    del data
+    region.close()
 
 
 # ----------------------------------------------------------------------------- write budget

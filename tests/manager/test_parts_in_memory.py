@@ -2,13 +2,14 @@
 sends it (`Local._payload`: the manifest, then each file opened on the disk), received as its
 pieces, checked against its manifest and restored by the manager's handlers from memory
 (`Reader.restore_part`, `MemorySource`), bit-exact; a damaged, short, missing or extra file is
-refused before anything is read; a handler that reads through a path gets a private directory,
+refused (as from a directory), and again by the part's commit; a handler that reads through a path gets a private directory,
 removed after its restore."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from support.iterutil import Shuffled
 from test_local_tier import check, items, manager, run
 
-from cairn.handlers import StoredItem, write_file
+from cairn.handlers import LocalDestination, StoredItem, write_file
 from cairn.handlers.io import MemorySource
 from cairn.manager import CorruptCheckpointError
 from cairn.manager._core import replicas
@@ -57,7 +58,13 @@ def test_a_part_sent_back_restores_from_memory_bit_exact(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("damage", ["flip", "short", "missing", "extra"])
-def test_a_damaged_part_is_refused_before_it_is_read(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_part_is_refused_by_its_restore_and_its_commit(
+    tmp_path: Path, damage: str
+) -> None:
+    """A part's files are checked as a directory's are: a missing or extra file before
+    anything is read (`check_files`), a short one before its item is parsed, a flipped byte
+    as it is read; and the commit of the part into its owner's directory checks every file's
+    content again as it writes it."""
     with manager(tmp_path) as mgr:
         run(mgr, range(1, 4))
         manifest, files = received(mgr, 3)
@@ -73,8 +80,16 @@ def test_a_damaged_part_is_refused_before_it_is_read(tmp_path: Path, damage: str
             del paths[path]
         else:
             paths["stray.bin"] = memoryview(b"x")
-        with pytest.raises(CorruptCheckpointError, match=f"item {item!r}|{item!r}"):
-            replicas.check_files(files, manifest, content=True)
+        wanted = {"state": None, "data": Shuffled(seed=3)}
+        with pytest.raises(
+            CorruptCheckpointError, match=re.escape(path) if damage != "extra" else "stray.bin"
+        ):
+            replicas.check_files(files, manifest, content=False)
+            mgr._local.inner._reader.restore_part(manifest, files, wanted)
+        if damage in ("flip", "short"):
+            job = replicas.received_job(manifest, files, holder=3)
+            with pytest.raises(CorruptCheckpointError, match=f"file {path} of a received part"):
+                job.snapshots[item][1].write(LocalDestination(tmp_path / "held"))
 
 
 def test_a_part_that_does_not_hold_together_is_refused() -> None:

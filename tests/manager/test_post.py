@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.logwait import logged
-from support.pages import PAGE, resident_pages
+from support.pages import PAGE, evict, resident_pages
 
 from cairn.handlers import LocalDestination
+from cairn.handlers.io import resident
 from cairn.manager._core.post import FilePiece, Post, _Buffers
 
 
@@ -272,6 +273,7 @@ def test_the_memory_of_a_part_serves_the_next(pair: tuple[Holder, Holder], tmp_p
     b.post.open(lambda owner, step, pieces: where.append([address(p) for p in pieces]))
     path = tmp_path / "pack"
     path.write_bytes(os.urandom(3 << 20))
+    evict(path)  # not in memory: read into a buffer with O_DIRECT, not sent with sendfile
     for step in (30, 32):
         fd = os.open(path, os.O_RDONLY)
         a.post.send(0, step, [1], lambda fd=fd: [b"header", FilePiece(fd, 3 << 20)], wait=True)
@@ -280,6 +282,29 @@ def test_the_memory_of_a_part_serves_the_next(pair: tuple[Holder, Holder], tmp_p
     assert len(a.post._buffers._free) == 1 and len(b.post._buffers._free) == 1
     a.post.close()
     assert a.post._buffers._free == []  # freed at close
+
+
+def test_a_file_in_memory_is_sent_with_sendfile_through_no_buffer(
+    pair: tuple[Holder, Holder], tmp_path: Path
+) -> None:
+    """A file whose pages are all in memory (the page cache here; a RAM disk's always are)
+    goes with sendfile, read into no buffer of the sender's; one that is not, with O_DIRECT
+    through one; both arrive as they are, and every descriptor is closed."""
+    a, b = pair
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    hot.write_bytes(os.urandom(3 << 20))
+    cold.write_bytes(os.urandom((1 << 20) + 5))
+    evict(cold)
+    fds = [os.open(hot, os.O_RDONLY), os.open(cold, os.O_RDONLY)]
+    assert resident(fds[0], 3 << 20) and not resident(fds[1], (1 << 20) + 5)
+    a.post.send(0, 36, [1], lambda: [FilePiece(fds[0], 3 << 20)], wait=True)
+    assert a.post._buffers._free == []  # none taken
+    a.post.send(0, 38, [1], lambda: [FilePiece(fds[1], (1 << 20) + 5)], wait=True)
+    assert len(a.post._buffers._free) == 1
+    assert b.got == [(0, 36, hot.read_bytes()), (0, 38, cold.read_bytes())]
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the sender closed it
 
 
 def test_at_most_spare_buffers_are_kept_the_largest() -> None:

@@ -3,25 +3,29 @@
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from pathlib import Path
 
-import numpy as np
+from cairn.handlers.io import resident_pages as _resident_pages
 
 PAGE = mmap.PAGESIZE
 
 
 def resident_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache (mincore(2) over a mapping of it)."""
-    size = path.stat().st_size
-    pages = -(-size // PAGE)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        vec = (ctypes.c_ubyte * pages)()
-        buf = np.frombuffer(m, np.uint8)
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.mincore(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(size), vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        del buf
-        return sum(v & 1 for v in vec)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _resident_pages(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    """Drop the file's pages from the page cache (written back first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
