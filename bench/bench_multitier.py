@@ -276,7 +276,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     )
     b.set_ylabel("seconds of training lost per save (median)")
     b.set_title("training time lost per save")
-    fig.suptitle(f"cairn local tier, 2 jax.distributed processes, {summary['size_label']} state")
+    fig.suptitle(
+        f"cairn local tier on {summary.get('local', 'disk')}, 2 jax.distributed processes, "
+        f"{summary['size_label']} state"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -318,16 +321,14 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(local_root, ignore_errors=True)
     summary = summarise(rounds)
-    summary["size_label"] = f"{size / MiB:.0f} MiB" + (
-        ", local tier on a RAM disk" if args.ramdisk else ""
-    )
+    summary["size_label"] = f"{size / MiB:.0f} MiB"
+    summary["local"] = "a RAM disk" if args.ramdisk else "this machine's disk"
     medium = "-ramdisk" if args.ramdisk else ""
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     result = {
         "when": when,
         "machine": machine_facts(),
         "size": size,
-        "local": "RAM disk (/dev/shm)" if args.ramdisk else "disk",
         "rounds": rounds,
         **summary,
     }

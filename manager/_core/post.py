@@ -291,9 +291,12 @@ class Post:
             conn.send_bytes(answer.encode()[:_HEADER_BYTES])
         except OSError as e:
             log.warning("cairn: could not answer process %s: %r", owner, e)
-        if owner is not None and step is not None and not back:
+        if owner is not None and step is not None:
             with self._changed:
-                self._received[owner] = max(step, self._received.get(owner, step))
+                if not back:
+                    self._received[owner] = max(step, self._received.get(owner, step))
+                elif owner == self._me:  # one that broke on the way: its restore stops waiting
+                    self._back.setdefault(step, [])
                 self._changed.notify_all()
 
     def _hand_over(self, owner: int, step: int, pieces: list[memoryview]) -> None:

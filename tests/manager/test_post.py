@@ -139,6 +139,19 @@ def test_a_part_shorter_than_its_header_says_is_refused(
     assert b.got == [(0, 2, b"next")]
 
 
+def test_a_part_sent_back_that_breaks_on_the_way_ends_the_wait_for_it(
+    pair: tuple[Holder, Holder],
+) -> None:
+    """A restore's part whose connection closes within it (its holder died, a file of it was
+    cut short while sent): its owner hears at once that none came, not after the timeout."""
+    a, b = pair
+    b.post._timeout = 60.0
+    with Client(b.post.address, authkey=b.post.key) as conn:
+        conn.send_bytes(b'{"owner": 1, "step": 7, "back": true, "sizes": [3, 100]}')
+        os.write(conn.fileno(), b"abc")
+    assert b.post.fetched(7) == []
+
+
 def test_a_connection_without_the_key_is_refused(
     pair: tuple[Holder, Holder], caplog: pytest.LogCaptureFixture
 ) -> None:
