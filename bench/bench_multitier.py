@@ -22,8 +22,10 @@ Per round, in fresh buckets and directories:
    step), then ``wait_until_finished()``, less the same steps without a save, run just before
    (this machine's speed drifts by seconds between phases). Each figure is the slowest
    process's.
-2. Restarts (new processes each), the slowest process's time from opening the manager to the
-   restored state (JAX's start-up is the same for every row and is left out):
+2. Restarts (new processes each, every process's local files first dropped from the page
+   cache, so that no restart reads what an earlier one left there), the slowest process's time
+   from opening the manager to the restored state (JAX's start-up is the same for every row and
+   is left out):
    ``persistent`` (``<url>/plain``, no local tier: every byte from S3); ``local`` (disks intact:
    each process reads its own part); ``peer`` (replicas=1, process 1's local directory wiped
    first: its part comes back from process 0's replica over a socket); ``mixed`` (replicas=0, process 1

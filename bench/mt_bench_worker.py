@@ -17,8 +17,9 @@ Phases:
   process's; all processes start each one after a barrier.
 * ``restore``: after a barrier, t0; open the manager (``<url>/plain`` without a local tier for
   ``source=persistent``, else ``<url>/tiers`` with the local tier, the local directory of process
-  ``wipe`` removed before the barrier) and ``restore()`` into the state's sharding; t1; every
-  value is checked against the saved one (not timed).
+  ``wipe`` removed before the barrier, and every process's local files dropped from the page
+  cache) and ``restore()`` into the state's sharding; t1; every value is checked against the
+  saved one (not timed).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def main() -> None:
     else:
         if spec.get("wipe") == procs.index:
             shutil.rmtree(f"{spec['local']}/local-{procs.index}", ignore_errors=True)
+        uncache(Path(f"{spec['local']}/local-{procs.index}"))
         target = {
             f"w{k}": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
             for k in range(leaves)
@@ -167,6 +169,20 @@ def main() -> None:
         json.dump(times, f)
     meet("end")
     jax.distributed.shutdown()
+
+
+def uncache(where: Path) -> None:
+    """Drop this process's local files from the page cache (written back first), so that every
+    restart reads them from where they are, not from what an earlier phase left in memory (a
+    RAM disk's files have nowhere else to be, and stay)."""
+    for path in where.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def transfer_limits(
