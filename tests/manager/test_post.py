@@ -144,7 +144,7 @@ def test_a_part_sent_back_that_breaks_on_the_way_ends_the_wait_for_it(
 ) -> None:
     """A restore's part whose connection closes within it (its holder died, a file of it was
     cut short while sent): its owner hears at once that none came, not after the timeout."""
-    a, b = pair
+    _, b = pair
     b.post._timeout = 60.0
     with Client(b.post.address, authkey=b.post.key) as conn:
         conn.send_bytes(b'{"owner": 1, "step": 7, "back": true, "sizes": [3, 100]}')
