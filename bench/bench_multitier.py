@@ -9,8 +9,8 @@ memory, on the same cores as everything else) and launches 2 real `jax.distribut
 phase (bench/mt_bench_worker.py, two CPU devices each). The state: `--size` bytes of float32
 leaves of 4096 x 1024 (16 MiB) over a (2, 2) mesh, PartitionSpec("data", "model"), so each
 process holds half. Local directories live under bench/results/tmp (this machine's disk), or
-with --ramdisk on /dev/shm (tmpfs: a RAM disk, where Orbax's emergency manager and MaxText keep
-their local checkpoints; results in multitier-ramdisk.json).
+with --ramdisk on /dev/shm (tmpfs: a RAM disk, where MaxText's emergency and multi-tier
+checkpointing keep their local checkpoints; results in multitier-ramdisk.json).
 
 Per round, in fresh buckets and directories:
 
@@ -295,8 +295,8 @@ def main() -> None:
     parser.add_argument(
         "--ramdisk",
         action="store_true",
-        help="local directories on a RAM disk (/dev/shm), as Orbax's emergency manager and "
-        "MaxText keep them, instead of this machine's disk",
+        help="local directories on a RAM disk (/dev/shm), as MaxText's emergency checkpointing "
+        "keeps them, instead of this machine's disk",
     )
     args = parser.parse_args()
     size = parse_size("64MiB" if args.quick else args.size)
