@@ -41,7 +41,6 @@ from cairn.handlers._files import (
     read_direct,
     read_no_follow,
     resident,
-    resident_pages,
     within,
 )
 from cairn.handlers._iterators import decode_state, encode_state, has_state_methods
@@ -95,7 +94,6 @@ __all__ = [
     "read_no_follow",
     "release_snapshot",
     "resident",
-    "resident_pages",
     "round_up",
     "settle_snapshot",
     "share_snapshot",

@@ -7,7 +7,7 @@ import mmap
 import os
 from pathlib import Path
 
-from cairn.handlers.io import resident_pages as _resident_pages
+from cairn.handlers._files import resident_pages as _resident_pages
 
 PAGE = mmap.PAGESIZE
 
