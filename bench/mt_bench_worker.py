@@ -37,6 +37,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 import jax
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.pages import evict  # tests/support: drop a file from the page cache
+
 
 def main() -> None:
     spec_path, pid, count, port, out = sys.argv[1:6]
@@ -177,12 +180,7 @@ def uncache(where: Path) -> None:
     RAM disk's files have nowhere else to be, and stay)."""
     for path in where.rglob("*"):
         if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            evict(path)
 
 
 def transfer_limits(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import functools
 import logging
 import math
 import mmap
@@ -24,6 +23,7 @@ from cairn.handlers._files.destination import BufferedFile, Destination
 from cairn.handlers._files.localio import ChecksummedFile, _hash_fd
 from cairn.handlers._files.records import RangeHashes, Ranges
 from cairn.handlers._files.source import LocalSource, Source
+from cairn.handlers._files.threads import _libc
 from cairn.handlers.errors import CorruptCheckpointError
 
 log = logging.getLogger("cairn")
@@ -302,11 +302,6 @@ def resident_pages(fd: int, size: int) -> int:
     if rc != 0:
         raise OSError(ctypes.get_errno(), "mincore")
     return int(np.count_nonzero(np.ctypeslib.as_array(vec) & 1))
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _direct_on(fd: int) -> int | None:

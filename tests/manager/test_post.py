@@ -23,7 +23,7 @@ from support.logwait import logged
 from support.pages import PAGE, evict, resident_pages
 
 from cairn.handlers import LocalDestination
-from cairn.handlers.io import resident
+from cairn.handlers.io import BACKGROUND_NICE, resident
 from cairn.manager._core.post import FilePiece, Post, _Buffers
 
 
@@ -150,6 +150,32 @@ def test_a_part_sent_back_that_breaks_on_the_way_ends_the_wait_for_it(
         conn.send_bytes(b'{"owner": 1, "step": 7, "back": true, "sizes": [3, 100]}')
         os.write(conn.fileno(), b"abc")
     assert b.post.fetched(7) == []
+
+
+def test_a_restores_parts_move_at_normal_priority_a_saves_in_the_background(
+    pair: tuple[Holder, Holder],
+) -> None:
+    """A save's replica is built, sent and received by threads at background priority (the
+    training step goes first); a restore's part, which every process waits for, by threads at
+    the caller's priority."""
+    a, b = pair
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+
+    def payload(what: str) -> list[bytes]:
+        seen[what] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return [what.encode()]
+
+    def deliver(owner: int, step: int, pieces: list[memoryview]) -> None:
+        seen["received"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    b.post.open(deliver)
+    a.post.send(0, 40, [1], lambda: payload("replica"), wait=True)
+    a.post.send_back(40, [(1, lambda: payload("back"))])
+    a.post.wait_sent()
+    assert [bytes(p) for p in b.post.fetched(40) or []] == [b"back"]
+    background = max(here, BACKGROUND_NICE)
+    assert seen == {"replica": background, "received": background, "back": here}
 
 
 def test_a_connection_without_the_key_is_refused(
