@@ -301,6 +301,12 @@ def read_chunks(
     naming the chunk (what the function beside it says) otherwise. The bytes between two chunks (a
     chunk's alignment) are read into a scratch buffer."""
     _read_run(stored, [(packed, dest) for packed, dest, _ in parts])
+    check_chunks(parts)
+
+
+def check_chunks(parts: Sequence[tuple[Packed, memoryview, Callable[[], str]]]) -> None:
+    """Check each chunk's bytes against its content hash; CorruptCheckpointError naming the
+    chunk (what the function beside it says) otherwise."""
     for packed, dest, describe in parts:
         if not _holds(packed, dest):
             raise CorruptCheckpointError(f"{describe()} {NOT_THE_CHUNK}")

@@ -87,6 +87,11 @@ class Source(abc.ABC):
         data = self.read_at(relpath, size, offset, sum(b.nbytes for b in buffers))
         return _scatter(data, buffers)
 
+    def view(self, relpath: str, offset: int, nbytes: int) -> memoryview | None:
+        """`nbytes` bytes of the file from `offset`, as memory the source holds and keeps
+        unchanged (not a copy), or None where it holds none: every source but `MemorySource`."""
+        return None
+
     @abc.abstractmethod
     def local_directory(self, relpaths: Sequence[str]) -> Path:
         """A local directory holding (at least) `relpaths`: the item's own on disk, a
@@ -254,6 +259,10 @@ class MemorySource(Source):
     ) -> int:
         total = sum(memoryview(b).nbytes for b in buffers)
         return _scatter(self._view(relpath)[offset : offset + total], buffers)
+
+    def view(self, relpath: str, offset: int, nbytes: int) -> memoryview | None:
+        data = self._view(relpath)
+        return data[offset : offset + nbytes] if offset + nbytes <= data.nbytes else None
 
     def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
         view = self._view(relpath)
@@ -476,19 +485,32 @@ class StoredItem:
         """Fill `buffers` (one, or several in order) from byte `offset` of a recorded file (a
         range that the manifest's size for the file must hold); the caller checks the content."""
         views = [buffers] if isinstance(buffers, memoryview) else list(buffers)
-        record = self._record(relpath)
         nbytes = sum(v.nbytes for v in views)
-        if offset < 0 or offset + nbytes > record.size:
-            raise CorruptCheckpointError(
-                f"{self.describe_file(relpath)}: bytes {offset}..{offset + nbytes} are outside "
-                f"its {record.size} bytes"
-            )
+        record = self._range(relpath, offset, nbytes)
         with self._reading(relpath):
             got = self.source.readinto_at(relpath, record.size, offset, views)
         if got != nbytes:
             raise CorruptCheckpointError(
                 f"{self.describe_file(relpath)} ends before byte {offset + nbytes}"
             )
+
+    def view_range(self, relpath: str, offset: int, nbytes: int) -> memoryview | None:
+        """`nbytes` bytes from byte `offset` of a recorded file as the memory its source holds
+        them in (`Source.view`: a part sent back by a peer), not copied; None where the source
+        holds none (read them with `read_range`). The caller checks the content."""
+        self._range(relpath, offset, nbytes)
+        with self._reading(relpath):
+            return self.source.view(relpath, offset, nbytes)
+
+    def _range(self, relpath: str, offset: int, nbytes: int) -> FileRecord:
+        """The file's record, where the range lies within its recorded size."""
+        record = self._record(relpath)
+        if offset < 0 or offset + nbytes > record.size:
+            raise CorruptCheckpointError(
+                f"{self.describe_file(relpath)}: bytes {offset}..{offset + nbytes} are outside "
+                f"its {record.size} bytes"
+            )
+        return record
 
     def read_into(self, relpath: str, buffers: Sequence[memoryview]) -> None:
         """Read a recorded file into `buffers` (whose sizes add up to the file's) and check its

@@ -135,7 +135,7 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
         # Keys' data has the keys' shape and more: a sharding of the keys shards it alike.
         index_map = sharding.addressable_devices_indices_map(reader.shape)
         futures = {
-            d: reader.read(_full_index(idx, reader.shape) if idx else (), batch)
+            d: reader.read(_full_index(idx, reader.shape) if idx else (), batch, share=True)
             for d, idx in index_map.items()
         }
 
@@ -146,7 +146,6 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
             return wrap(jax.make_array_from_single_device_arrays(reader.shape, sharding, arrays))
 
         return assemble
-    future = reader.read(batch=batch)
     jax_module = sys.modules.get("jax")
     if target is None:
         as_jax = reader.node.get("kind") == "jax"
@@ -154,6 +153,7 @@ def _start_read(leaf: Any, target: Any, batch: _Batch) -> Callable[[], Any]:
         as_jax = jax_module is not None and isinstance(
             target, (jax_module.Array, jax_module.ShapeDtypeStruct)
         )
+    future = reader.read(batch=batch, share=as_jax and keys is None)  # to JAX: never written
 
     def finish() -> Any:
         arr = future.result().astype(dtype, copy=False)

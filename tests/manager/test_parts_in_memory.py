@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 from support.iterutil import Shuffled
-from test_local_tier import check, items, manager, run
+from test_local_tier import check, items, manager, run, state
 
 from cairn.handlers import LocalDestination, StoredItem, write_file
-from cairn.handlers.io import MemorySource
+from cairn.handlers.io import MemorySource, aligned_empty
 from cairn.manager import CorruptCheckpointError
 from cairn.manager._core import replicas
-from cairn.manager._core.post import FilePiece
+from cairn.manager._core.post import FilePiece, _layout
 from cairn.manager._format import PART, Manifest
 
 
@@ -90,6 +90,52 @@ def test_a_damaged_part_is_refused_by_its_restore_and_its_commit(
             job = replicas.received_job(manifest, files, holder=3)
             with pytest.raises(CorruptCheckpointError, match=f"file {path} of a received part"):
                 job.snapshots[item][1].write(LocalDestination(tmp_path / "held"))
+
+
+def in_pages(files: replicas.Files) -> tuple[np.ndarray, replicas.Files]:
+    """The files of a part copied into one buffer, each on a page, as `post.Post` receives
+    them: the buffer, and the files as views of it."""
+    at, total = _layout([v.nbytes for paths in files.values() for v in paths.values()])
+    buffer = aligned_empty((total,), np.dtype(np.uint8))
+    held: replicas.Files = {}
+    for (item, path, view), a in zip(
+        [(i, p, v) for i, paths in files.items() for p, v in paths.items()], at, strict=True
+    ):
+        buffer[a : a + view.nbytes] = np.frombuffer(view, np.uint8)
+        held.setdefault(item, {})[path] = buffer[a : a + view.nbytes].data
+    return buffer, held
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_part_in_memory_becomes_the_restored_jax_arrays_checked(
+    tmp_path: Path, damage: bool
+) -> None:
+    """A JAX leaf whose chunk a part held in memory (as received, on a page) is restored as
+    that memory, not a copy of it (JAX adopts it on CPU), after its hash is checked: a flipped
+    byte there is refused, naming the chunk and its pack. A NumPy leaf is copied out."""
+    with manager(tmp_path) as mgr:
+        run(mgr, range(1, 7))
+        manifest, files = received(mgr, 6)
+        buffer, held = in_pages(files)
+        low, high = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
+        w = np.asarray(state(6)["w"]).tobytes()
+        if damage:
+            at = buffer.tobytes().index(w) + len(w) // 2
+            buffer[at] ^= 1
+        wanted = {"state": None, "data": Shuffled(seed=3)}
+        reader = mgr._local.inner._reader
+        if damage:
+            with pytest.raises(
+                CorruptCheckpointError,
+                match=r"packs/.*chunk arrays/\d+/0\.0 \(leaf \['w'\]\) is not the chunk",
+            ):
+                reader.restore_part(manifest, held, wanted)
+            return
+        restored = reader.restore_part(manifest, held, wanted)
+        check(restored, 6)
+        assert low <= restored["state"]["w"].unsafe_buffer_pointer() < high
+        b = restored["state"]["b"]
+        assert b.flags.writeable and not low <= b.ctypes.data < high
 
 
 def test_a_part_that_does_not_hold_together_is_refused() -> None:
