@@ -18,7 +18,7 @@ from conftest import Gate
 from support.pages import evict, resident_pages
 
 from cairn.handlers import LocalDestination, TrainStateHandler
-from cairn.handlers._files import DIRECT_MIN, io_priority
+from cairn.handlers._files import DIRECT_MIN, disk, io_priority
 from cairn.handlers._files.disk import _NO_DIRECT_DEVICES
 from cairn.handlers._staging import PAGE, StagingPool, staging_for
 from cairn.handlers.io import (
@@ -314,9 +314,26 @@ def test_resident_tells_a_file_in_memory_from_one_on_the_disk(tmp_path: Path, ra
         assert not resident(fds["cached"], data.nbytes)
         evict(ramfs / "ram")
         assert resident(fds["ram"], data.nbytes)  # it has nowhere else to be
+        assert not resident(fds["ram"], data.nbytes + 1)
     finally:
         for fd in fds.values():
             os.close(fd)
+    # a RAM disk is told by its filesystem's type, with no page counted; a disk is not
+    assert disk._IN_MEMORY_DEVICES[os.stat(ramfs).st_dev] is True
+    assert disk._IN_MEMORY_DEVICES[os.stat(tmp_path).st_dev] is False
+    tmpfs = tmp_path / "tmpfs"
+    tmpfs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(tmpfs)], check=True)
+    try:
+        (tmpfs / "ram").write_bytes(data.tobytes())
+        fd = os.open(tmpfs / "ram", os.O_RDONLY)
+        try:
+            assert resident(fd, data.nbytes)
+            assert disk._IN_MEMORY_DEVICES[os.stat(tmpfs).st_dev] is True
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(tmpfs)], check=True)
     del data
     region.close()
 
