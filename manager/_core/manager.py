@@ -49,7 +49,7 @@ from cairn.manager._core.tiers import Local, LocalTier, NoLocal
 from cairn.manager._core.validate import as_step, check_entry_name, check_items
 from cairn.manager._core.writer import pack_job
 from cairn.manager._format import check_metadata, check_metrics, dump_checked
-from cairn.manager._storage.base import Storage
+from cairn.manager._storage.base import Listed, Storage
 from cairn.manager._storage.open import open_storage
 
 __all__ = ["CheckpointManager", "ItemInfo", "StepInfo"]
@@ -670,12 +670,11 @@ def _open_directory(
     """The writer (the primary of a writable manager) locks, cleans up, saves the metadata;
     the primary lists the steps, which every process then knows (`Coordinator.open`); the
     writer finishes what a crash left between an item's drop and the removal of its files."""
-    if writer:
-        _open_for_writing(storage, o, reader)
+    listed = _open_for_writing(storage, o, reader) if writer else None
     refusal = None
     catalog = reader.catalog
     if together.procs.primary:
-        catalog.replace(reader.scan())
+        catalog.replace(reader.scan(listed))
         if not storage.lists_cheaply and not catalog.steps():  # one more listing
             refusal = naming_refusal(storage, o.names)
     together.open(refusal)
@@ -689,17 +688,19 @@ def _open_directory(
         )
 
 
-def _open_for_writing(storage: Storage, o: Options, reader: Reader) -> None:
-    """The writer (the primary of a writable manager): lock, clean up, save metadata."""
+def _open_for_writing(storage: Storage, o: Options, reader: Reader) -> list[Listed]:
+    """The writer (the primary of a writable manager): lock, clean up, save metadata; the
+    committed steps, as the clean-up listed them."""
     storage.acquire()
     if o.writer_process and storage.for_writer_process() is None:
         raise ValueError(
             f"writer='process' cannot commit into {storage.url}: a writer "
             "process cannot reach this process's memory; use writer='thread'"
         )
-    storage.clean_leftovers(o.names)
+    listed = storage.clean_leftovers(o.names)
     if o.metadata is not None:
         reader.save_root_metadata(o.metadata)
+    return listed
 
 
 @contextlib.contextmanager

@@ -102,9 +102,12 @@ class Reader:
 
     # ------------------------------------------------------------------ listing
 
-    def scan(self) -> dict[int, StepRecord]:
-        """Every committed step, with its manifest or the reason it cannot be read."""
-        return {listed.step: read_record(listed) for listed in self._storage.scan(self._names)}
+    def scan(self, listed: list[Listed] | None = None) -> dict[int, StepRecord]:
+        """Every committed step, with its manifest or the reason it cannot be read (from
+        `listed`, the storage's listing just read, if given)."""
+        if listed is None:
+            listed = self._storage.scan(self._names)
+        return {one.step: read_record(one) for one in listed}
 
     def read_steps(self, steps: Iterable[int]) -> dict[int, StepRecord]:
         """Steps another process listed, each read again (16 at a time; one may be gone)."""

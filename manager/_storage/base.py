@@ -97,9 +97,11 @@ class StepStore(Protocol):
         """Where step `name` is (StepInfo.path): a Path on POSIX, a URL otherwise."""
         ...
 
-    def clean_leftovers(self, names: StepNames) -> list[str]:
+    def clean_leftovers(self, names: StepNames) -> list[Listed]:
         """Remove what crashed writers left (temporary steps, trash, half-replaced files); the
-        writer calls this once, at start-up. Returns what was removed."""
+        writer calls this once, at start-up, holding the directory. Returns every committed step
+        then, as `scan` would (from the listing the clean-up read, where it read one: on an
+        object store, a second listing and a read of every manifest cost a restart 0.09 s)."""
         ...
 
     def scan(self, names: StepNames) -> list[Listed]:
@@ -240,8 +242,8 @@ class Storage(StepStore, WriterHold, SharedDeletion, Protocol):
     The call order, as `CheckpointManager` makes it:
 
     1. `open.open_storage`; on a writable manager's primary `acquire`, then `clean_leftovers`
-       and (with ``metadata=``) `create_root_file`; every manager `scan`s (other processes
-       `read_step` the steps the primary broadcast); `other_naming` when nothing is found;
+       (which lists the steps) and (with ``metadata=``) `create_root_file`; every other
+       manager's primary `scan`s (other processes `read_step` the steps the primary broadcast); `other_naming` when nothing is found;
        the writer's `remove_dropped`.
     2. Each save: the primary's `check_writer` and `prepare`, each item's files through
        `Prepared.destination`, `check_writer` again (or, with several processes,

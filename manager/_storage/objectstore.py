@@ -281,13 +281,15 @@ class KvStorage:
 
     # ------------------------------------------------------------------ writing
 
-    def clean_leftovers(self, names: StepNames) -> list[str]:
+    def clean_leftovers(self, names: StepNames) -> list[Listed]:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
         lease), and steps (or directories, `delete_directory`'s) whose deletion a crash
-        interrupted; a step committed meanwhile stays."""
+        interrupted; a step committed meanwhile stays. The committed steps left, from the same
+        listing (the writer holds the lease: no other commits)."""
         keys = self.store.list_keys()
         removed = [key for key in keys if key.startswith(SYNC_PREFIX)]
         self.store.delete_keys(removed)  # meetings of writer processes that crashed
+        committed = []
         for listed, name, claimed in self._scan(names, keys):
             if listed is not None:
                 if claimed and self.store.read(f"{name}/{CLAIM}") == _DELETING:
@@ -295,12 +297,19 @@ class KvStorage:
                     self.store.delete(f"{name}/{MANIFEST}")
                     self.finish_deletion(name)
                     removed.append(name)
+                else:
+                    committed.append(listed)
                 continue
             data, generation = self.store.read_with_generation(f"{name}/{MANIFEST}")
             if (data is None or data.startswith(_CLAIM_TAG)) and _take_and_remove(
                 self.store, name, generation
             ):
                 removed.append(name)
+                continue
+            step = names.parse(name)  # changed since the listing: committed meanwhile?
+            again = None if step is None else self.read_step(names, step)
+            if again is not None:
+                committed.append(again)
         # Directories that are no step of this naming (`delete_directory`'s, another naming's
         # step) whose deletion a crash interrupted: their claim says so, their rest goes.
         for name in sorted({k.partition("/")[0] for k in keys if k.partition("/")[2] == CLAIM}):
@@ -309,7 +318,9 @@ class KvStorage:
                 self.store.delete(f"{name}/{MANIFEST}")
                 self.finish_deletion(name)
                 removed.append(name)
-        return removed
+        if removed:
+            log.info("cairn: removed %d leftovers in %s: %s", len(removed), self.url, removed)
+        return committed
 
     def prepare(
         self, name: str, tmp_name: str, items: Iterable[str], *, create: bool

@@ -302,9 +302,9 @@ class PosixStorage:
                 f"there): {e.strerror or e}"
             ) from None
 
-    def clean_leftovers(self, names: StepNames) -> list[str]:
+    def clean_leftovers(self, names: StepNames) -> list[Listed]:
         """Temporary and trash entries a crashed writer left behind, and half-written
-        replacements of a step's manifest or metrics."""
+        replacements of a step's manifest or metrics; then `scan`."""
         removed = []
         with os.scandir(self.root) as entries:
             for entry in entries:
@@ -330,7 +330,7 @@ class PosixStorage:
             log.info(
                 "cairn: removed %d leftover entries in %s: %s", len(removed), self.root, removed
             )
-        return removed
+        return self.scan(names)
 
 
 _ROOT_TMP = ".cairn-root.tmp-"  # a root file being created (create_root_file)
