@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Gate
+from support.countproxy import CountingProxy
 from support.iterutil import Shuffled, advanced, take
 from support.objectstore import hold
 from support.s3util import s3_env
@@ -31,6 +32,7 @@ from cairn.manager import (
     StepNotFoundError,
 )
 from cairn.manager._format import MANIFEST
+from cairn.manager._storage import objectstore
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
@@ -288,6 +290,60 @@ def test_a_crash_inside_a_delete_is_cleaned_at_the_next_start(s3_bucket: str) ->
     with CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [2]
     assert store.list_keys("checkpoint_1/") == []
+
+
+def test_a_writer_opens_with_one_listing(
+    s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A starting writer's clean-up lists the bucket and reads every step's manifest; the
+    steps it knows come from that listing, not from a second one (0.09 s of every restart on
+    moto). A leftover claimed prefix is still removed (which lists that prefix alone)."""
+    url = f"{s3_bucket}/once"
+    with CheckpointManager(url) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"state": state(step)})
+    store = ObjectStore(url, StorageOptions())
+    store.write(f"checkpoint_4/{MANIFEST}", b'{"cairn_claim": "saving", "id": "0"}')
+    store.write("checkpoint_4/state/tree.json", b"{}")
+    with CountingProxy(s3_endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        with CheckpointManager(url) as mgr:
+            assert mgr.all_steps() == [1, 2, 3]
+            opened = proxy.requests()
+    lists = [r for r in opened if "list-type=2" in r.query and r.query.endswith("prefix=once%2F")]
+    manifests = [r.path for r in opened if r.method == "GET" and r.path.endswith(MANIFEST)]
+    assert len(lists) == 1, lists
+    for step in (1, 2, 3):
+        assert manifests.count(f"/{url.split('/')[2]}/once/checkpoint_{step}/{MANIFEST}") == 1
+    assert store.list_keys("checkpoint_4/") == []
+
+
+def test_a_step_committed_after_the_clean_up_listed_it_is_kept_and_listed(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefix that was only claimed when the starting writer listed the bucket, and holds
+    its manifest when the clean-up looks at it again (a writer that lost its lease committed
+    meanwhile), stays, and is among the steps the writer knows."""
+    url = f"{s3_bucket}/meanwhile"
+    with CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"state": state(step)})
+    store = ObjectStore(url, StorageOptions())
+    committed = store.read(f"checkpoint_2/{MANIFEST}")
+    assert committed is not None
+    store.write(f"checkpoint_2/{MANIFEST}", b'{"cairn_claim": "saving", "id": "0"}')
+    listing = objectstore.KvStorage._scan
+
+    def then_commit(self: Any, *args: Any) -> Any:
+        found = listing(self, *args)
+        store.write(f"checkpoint_2/{MANIFEST}", committed)  # after the listing, before the look
+        return found
+
+    monkeypatch.setattr(objectstore.KvStorage, "_scan", then_commit)
+    with CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        monkeypatch.undo()
+        assert_tree_equal(mgr.restore(2)["state"], state(2))
 
 
 @pytest.mark.parametrize("removed", ["the claim", "the claimed prefix"])
