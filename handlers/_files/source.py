@@ -15,7 +15,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +91,11 @@ class Source(abc.ABC):
         """`nbytes` bytes of the file from `offset`, as memory the source holds and keeps
         unchanged (not a copy), or None where it holds none: every source but `MemorySource`."""
         return None
+
+    def hashed(self, relpath: str) -> bool:
+        """Whether the file's whole content was checked against its record already, in the
+        memory `view` gives (a part's file hashed as it arrived): its reads need no check."""
+        return False
 
     @abc.abstractmethod
     def local_directory(self, relpaths: Sequence[str]) -> Path:
@@ -232,8 +237,13 @@ class MemorySource(Source):
     """An item's files held in memory (a part sent back for a restore): a handler reads them as
     it reads a directory's, every read a copy out of them, checked by the reader as any other."""
 
-    def __init__(self, files: Mapping[str, memoryview], where: str) -> None:
+    def __init__(
+        self, files: Mapping[str, memoryview], where: str, hashed: Iterable[str] = ()
+    ) -> None:
+        """`hashed`: the files whose whole content was checked against the records the reader
+        holds (`Source.hashed`)."""
         self._files, self._where = files, where
+        self._hashed = frozenset(hashed)
         self._local: Path | None = None
 
     def describe(self, relpath: str) -> str:
@@ -263,6 +273,9 @@ class MemorySource(Source):
     def view(self, relpath: str, offset: int, nbytes: int) -> memoryview | None:
         data = self._view(relpath)
         return data[offset : offset + nbytes] if offset + nbytes <= data.nbytes else None
+
+    def hashed(self, relpath: str) -> bool:
+        return relpath in self._hashed
 
     def readinto(self, relpath: str, buffers: Sequence[memoryview]) -> int:
         view = self._view(relpath)

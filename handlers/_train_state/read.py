@@ -244,8 +244,11 @@ class _Read:
         out = np.frombuffer(view, reader.dtype).reshape(reader.chunk)
         if out.ctypes.data % 64:
             return None
-        describe = functools.partial(reader.describe_chunk, vpath, packed.pack)
-        self._futures.append(_read_pool().submit(check_packed_chunks, [(packed, view, describe)]))
+        if not reader.stored.source.hashed(packed.pack):  # else its whole pack was checked
+            describe = functools.partial(reader.describe_chunk, vpath, packed.pack)
+            self._futures.append(
+                _read_pool().submit(check_packed_chunks, [(packed, view, describe)])
+            )
         return out
 
     def _place(self, coords: tuple[int, ...]) -> tuple[np.ndarray, tuple[slice, ...] | None]:

@@ -17,13 +17,15 @@ and that was most of the transfer's CPU here. Only the header is one of
 here, against 0.25 s into a buffer of the right size). The holder commits the part (`deliver`:
 every file checked against the owner's manifest) and answers ``ok`` or what failed. A part is
 held once its holder answered ``ok``. A restore's part goes back to its owner the same way,
-and waits in memory until the owner's restore takes it (`fetched`).
+each piece hashed as its bytes arrive (`_Hashes`), and waits in memory until the owner's
+restore takes it (`fetched`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -36,6 +38,7 @@ from multiprocessing.connection import Connection, Listener, answer_challenge, d
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from cairn.handlers.io import (
     aligned_empty,
@@ -69,6 +72,15 @@ class FilePiece:
 Piece = bytes | memoryview | FilePiece
 
 
+class Received(list[memoryview]):
+    """A part sent back for a restore, as it came: its pieces, and `digests`, each piece's
+    XXH3-128 (hex), hashed as its bytes arrived (`_Hashes`)."""
+
+    def __init__(self, pieces: Sequence[memoryview] = (), digests: Sequence[str] = ()) -> None:
+        super().__init__(pieces)
+        self.digests = list(digests)
+
+
 class Post:
     """This process's side of moving parts: a listener thread that accepts connections, each
     handled on a thread of its own that receives a part of a process this one holds for and
@@ -98,7 +110,7 @@ class Post:
         self.address: Address = self._listener.address
         self._peers: dict[int, tuple[Address, bytes]] = {}
         self._received: dict[int, int] = {}  # owner -> the newest step it sent (or had none of)
-        self._back: dict[int, list[memoryview]] = {}  # step -> this process's part, sent back
+        self._back: dict[int, Received] = {}  # step -> this process's part, sent back
         self._changed = threading.Condition()
         self._buffers = _Buffers(spare)
         self._closing = False
@@ -272,16 +284,22 @@ class Post:
             if back and owner != self._me:
                 raise ValueError(f"a part of process {owner} sent back to process {self._me}")
             take = _fresh if back else self._buffers.take  # a part sent back: its restore's
-            memory, pieces = _read_pieces(conn, header["sizes"], take)
-            if back:
+            memory, pieces = _buffer_for(header["sizes"], take)
+            if back:  # hashed as it arrives: the restore waiting for it need not hash it all
+                hashes = _Hashes(pieces)
+                try:
+                    _read_pieces(conn, pieces, hashes.came)
+                finally:
+                    hashes.stop()
                 with self._changed:
-                    self._back[step] = pieces
+                    self._back[step] = Received(pieces, hashes.digests(self._timeout))
                     self._changed.notify_all()
             else:
                 try:
+                    _read_pieces(conn, pieces)
                     if pieces:
                         self._hand_over(owner, step, pieces)
-                finally:  # committed, or refused: its memory serves the next part
+                finally:  # committed, refused or cut off: its memory serves the next part
                     self._buffers.give(memory)
             answer = "ok"
         except Exception as e:
@@ -296,7 +314,7 @@ class Post:
                 if not back:
                     self._received[owner] = max(step, self._received.get(owner, step))
                 elif owner == self._me:  # one that broke on the way: its restore stops waiting
-                    self._back.setdefault(step, [])
+                    self._back.setdefault(step, Received())
                 self._changed.notify_all()
 
     def _hand_over(self, owner: int, step: int, pieces: list[memoryview]) -> None:
@@ -320,9 +338,9 @@ class Post:
             self._changed.wait_for(lambda: not missing(), self._timeout)
             return missing()
 
-    def fetched(self, step: int) -> list[memoryview] | None:
+    def fetched(self, step: int) -> Received | None:
         """This process's part of `step` sent back for a restore, taken (at most `timeout`;
-        [] where its holder had none to send); None if it did not come."""
+        empty where its holder had none to send); None if it did not come."""
         with self._changed:
             self._changed.wait_for(lambda: step in self._back, self._timeout)
             return self._back.pop(step, None)
@@ -396,26 +414,102 @@ def _close_files(pieces: Sequence[Piece]) -> None:
             os.close(piece.fd)
 
 
-def _read_pieces(
-    conn: Connection, sizes: Sequence[int], take: Callable[[int], np.ndarray]
+def _buffer_for(
+    sizes: Sequence[int], take: Callable[[int], np.ndarray]
 ) -> tuple[np.ndarray, list[memoryview]]:
-    """Pieces of `sizes` bytes, read after the header into one buffer (`take`), each on a page
-    of its own, so that a holder's commit writes them to its disk with ``O_DIRECT``, with no
-    copy through the page cache: the buffer, and the pieces (views of it)."""
+    """Room for pieces of `sizes` bytes in one buffer (`take`), each on a page of its own, so
+    that a holder's commit writes them to its disk with ``O_DIRECT``, with no copy through the
+    page cache: the buffer, and the pieces (views of it)."""
     at, total = _layout(sizes)
     buffer = take(total)
-    pieces = [buffer[a : a + n].data for a, n in zip(at, sizes, strict=True)]
+    return buffer, [buffer[a : a + n].data for a, n in zip(at, sizes, strict=True)]
+
+
+def _read_pieces(
+    conn: Connection, pieces: Sequence[memoryview], came: Callable[[int], None] | None = None
+) -> None:
+    """Fill `pieces` in order from `conn` (after the header); `came(n)` after each read, `n`
+    the bytes in so far (the pieces laid end to end)."""
     fd, views = conn.fileno(), [p for p in pieces if p.nbytes]
+    total = got = sum(p.nbytes for p in views)
     while views:
         n = os.readv(fd, views[:1024])
         if n == 0:
-            raise EOFError(f"the connection closed within a part of {sum(sizes)} bytes")
+            raise EOFError(f"the connection closed within a part of {total} bytes")
+        got -= n
+        if came is not None:
+            came(total - got)
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-    return buffer, pieces
+
+
+class _Hashes:
+    """The XXH3-128 of each piece of a part, hashed on a thread of its own as the piece's bytes
+    arrive (`came`, from the receiving thread; python-xxhash lets go of the GIL), a block at
+    least `_HASH_STEP` long at a time: once the last byte is in, only the last block is left
+    to hash. A restore's owner then checks each file of the part against its record at once,
+    rather than hashing 512 MiB after the transfer (0.08 s here, beside the holder's reads)."""
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        self._pieces = [p for p in pieces if p.nbytes]
+        self._sums = [xxhash.xxh3_128() for _ in pieces]
+        self._of = [i for i, p in enumerate(pieces) if p.nbytes]  # piece -> its sum
+        self._total = sum(p.nbytes for p in self._pieces)
+        self._came, self._stopped = 0, False
+        self._changed = threading.Condition()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="cairn-local-hash", daemon=True).start()
+
+    def came(self, n: int) -> None:
+        if n - self._came >= _HASH_STEP or n == self._total:
+            with self._changed:
+                self._came = n
+                self._changed.notify()
+
+    def stop(self) -> None:
+        """No more bytes will come (all came, or the part broke off)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def digests(self, timeout: float) -> list[str]:
+        """Each piece's hex digest, once all its bytes came and were hashed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"a part's hashes took over {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return [s.hexdigest() for s in self._sums]
+
+    def _run(self) -> None:
+        done, piece, start = 0, 0, 0  # bytes hashed; the piece they end in, and its start
+        try:
+            while done < self._total:
+                with self._changed:
+                    self._changed.wait_for(functools.partial(self._more, done))
+                    came = self._came
+                if came == done:
+                    raise EOFError(f"a part broke off after {done} of {self._total} bytes")
+                while done < came:
+                    view = self._pieces[piece]
+                    end = min(came, start + view.nbytes)
+                    self._sums[self._of[piece]].update(view[done - start : end - start])
+                    done = end
+                    if done == start + view.nbytes:
+                        piece, start = piece + 1, done
+        except BaseException as e:  # the part is refused (or never completes) anyway
+            self._error = e
+        finally:
+            self._done.set()
+
+    def _more(self, done: int) -> bool:
+        return self._came > done or self._stopped
+
+
+_HASH_STEP = 8 << 20
 
 
 def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:

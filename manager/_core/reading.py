@@ -217,16 +217,19 @@ class Reader:
         manifest: Manifest,
         files: Mapping[str, Mapping[str, memoryview]],
         wanted: dict[str, Any] | None,
+        hashed: Mapping[str, frozenset[str]] | None = None,
     ) -> dict[str, Any]:
         """The wanted items (None: all) of a step not in the directory: a local tier's part
-        received from another process, `files` by item and path, read from memory."""
+        received from another process, `files` by item and path, read from memory (`hashed`:
+        by item, the files whose whole content was checked against their records already)."""
         t0, step = time.monotonic(), manifest.step
         items = wanted if wanted is not None else {n: None for n in files}
         where = f"{self._where} (step {step}, received)"
 
         def stored(name: str) -> StoredItem:
             records = {f.path: f for f in manifest.items[name].files}
-            return StoredItem(MemorySource(files.get(name, {}), where), records, step, name)
+            source = MemorySource(files.get(name, {}), where, (hashed or {}).get(name, ()))
+            return StoredItem(source, records, step, name)
 
         restored = self._read_once(step, manifest, items, stored)
         self._restored(step, time.monotonic() - t0)

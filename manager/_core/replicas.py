@@ -15,7 +15,7 @@ from typing import Any
 from cairn.handlers import Destination, FileRecord
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager._core import commit as _commit
-from cairn.manager._core.post import Piece
+from cairn.manager._core.post import Piece, Received
 from cairn.manager._format import PART, Manifest
 
 
@@ -148,6 +148,26 @@ def check_files(files: Files, manifest: Manifest, *, content: bool) -> None:
         if content:
             for path, data in got.items():
                 records[path].check(data, f"file {path} of item {item!r} of a received part")
+
+
+def hashed_whole(files: Files, manifest: Manifest, part: Received) -> dict[str, frozenset[str]]:
+    """The files of a part sent back (`files`, views of `part`'s pieces) whose bytes hashed, as
+    they arrived, to what their owner's manifest records (size and XXH3-128), by item: a read
+    of them need not hash them again."""
+    digests = {id(piece): digest for piece, digest in zip(part, part.digests, strict=False)}
+    out = {}
+    for item, paths in files.items():
+        entry = manifest.items.get(item)
+        records = {f.path: f for f in entry.files} if entry is not None else {}
+        out[item] = frozenset(
+            path
+            for path, view in paths.items()
+            if (record := records.get(path)) is not None
+            and record.size == view.nbytes
+            and record.xxh3_128 is not None
+            and digests.get(id(view)) == record.xxh3_128
+        )
+    return out
 
 
 class _Stand:

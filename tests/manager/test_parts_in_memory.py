@@ -15,14 +15,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from support.iterutil import Shuffled
 from test_local_tier import check, items, manager, run, state
 
 from cairn.handlers import LocalDestination, StoredItem, write_file
+from cairn.handlers._train_state import read
 from cairn.handlers.io import MemorySource, aligned_empty
 from cairn.manager import CorruptCheckpointError
 from cairn.manager._core import replicas
-from cairn.manager._core.post import FilePiece, _layout
+from cairn.manager._core.post import FilePiece, Received, _layout
 from cairn.manager._format import PART, Manifest
 
 
@@ -106,13 +108,17 @@ def in_pages(files: replicas.Files) -> tuple[np.ndarray, replicas.Files]:
     return buffer, held
 
 
+@pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("damage", [False, True])
 def test_a_part_in_memory_becomes_the_restored_jax_arrays_checked(
-    tmp_path: Path, damage: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: bool, hashed: bool
 ) -> None:
     """A JAX leaf whose chunk a part held in memory (as received, on a page) is restored as
     that memory, not a copy of it (JAX adopts it on CPU), after its hash is checked: a flipped
-    byte there is refused, naming the chunk and its pack. A NumPy leaf is copied out."""
+    byte there is refused, naming the chunk and its pack. A NumPy leaf is copied out. With
+    `hashed`, each file's digest as it arrived (`post.Received`): a file whose digest is its
+    record's is not hashed again, and one whose is not (the flipped byte came so) is checked
+    chunk by chunk, as without."""
     with manager(tmp_path) as mgr:
         run(mgr, range(1, 7))
         manifest, files = received(mgr, 6)
@@ -122,20 +128,29 @@ def test_a_part_in_memory_becomes_the_restored_jax_arrays_checked(
         if damage:
             at = buffer.tobytes().index(w) + len(w) // 2
             buffer[at] ^= 1
+        views = [v for paths in held.values() for v in paths.values()]
+        part = Received(views, [xxhash.xxh3_128_hexdigest(v) for v in views])
+        whole = replicas.hashed_whole(held, manifest, part) if hashed else None
+        checks: list[Any] = []
+        if not damage:  # count the chunk checks (a damaged chunk's runs for real)
+            monkeypatch.setattr(read, "check_packed_chunks", checks.append)
         wanted = {"state": None, "data": Shuffled(seed=3)}
         reader = mgr._local.inner._reader
         if damage:
+            if whole is not None:  # every file but the damaged one
+                assert len(whole["state"]) == len(held["state"]) - 1
             with pytest.raises(
                 CorruptCheckpointError,
                 match=r"packs/.*chunk arrays/\d+/0\.0 \(leaf \['w'\]\) is not the chunk",
             ):
-                reader.restore_part(manifest, held, wanted)
+                reader.restore_part(manifest, held, wanted, whole)
             return
-        restored = reader.restore_part(manifest, held, wanted)
+        restored = reader.restore_part(manifest, held, wanted, whole)
         check(restored, 6)
         assert low <= restored["state"]["w"].unsafe_buffer_pointer() < high
         b = restored["state"]["b"]
         assert b.flags.writeable and not low <= b.ctypes.data < high
+        assert len(checks) == (0 if hashed else 1)  # w's chunk: hashed as it came, or now
 
 
 def test_a_part_that_does_not_hold_together_is_refused() -> None:

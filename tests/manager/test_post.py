@@ -19,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from support.logwait import logged
 from support.pages import PAGE, evict, resident_pages
 
 from cairn.handlers import LocalDestination
 from cairn.handlers.io import BACKGROUND_NICE, resident
+from cairn.manager._core import post
 from cairn.manager._core.post import FilePiece, Post, _Buffers
 
 
@@ -150,6 +152,27 @@ def test_a_part_sent_back_that_breaks_on_the_way_ends_the_wait_for_it(
         conn.send_bytes(b'{"owner": 1, "step": 7, "back": true, "sizes": [3, 100]}')
         os.write(conn.fileno(), b"abc")
     assert b.post.fetched(7) == []
+
+
+def test_a_part_sent_back_is_hashed_as_it_arrives(pair: tuple[Holder, Holder]) -> None:
+    """Each piece of a restore's part comes with its XXH3-128, hashed on a thread of its own
+    while its bytes came in: a piece of several hashing blocks, an empty one, small ones."""
+    a, b = pair
+    pieces = [b"head", b"", os.urandom(3 * post._HASH_STEP + 5), b"tail"]
+    a.post.send_back(41, [(1, lambda: list(pieces))])
+    a.post.wait_sent()
+    got = b.post.fetched(41)
+    assert got is not None and [bytes(p) for p in got] == pieces
+    assert got.digests == [xxhash.xxh3_128_hexdigest(p) for p in pieces]
+
+
+def test_the_hashes_of_a_part_that_broke_off_are_refused() -> None:
+    memory = memoryview(bytearray(2 * post._HASH_STEP))
+    hashes = post._Hashes([memory[: post._HASH_STEP], memory[post._HASH_STEP :]])
+    hashes.came(post._HASH_STEP + 1)
+    hashes.stop()
+    with pytest.raises(EOFError, match=f"broke off after {post._HASH_STEP + 1} of"):
+        hashes.digests(60)
 
 
 def test_a_restores_parts_move_at_normal_priority_a_saves_in_the_background(
