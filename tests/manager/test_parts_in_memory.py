@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 import xxhash
@@ -151,6 +152,16 @@ def test_a_part_in_memory_becomes_the_restored_jax_arrays_checked(
         b = restored["state"]["b"]
         assert b.flags.writeable and not low <= b.ctypes.data < high
         assert len(checks) == (0 if hashed else 1)  # w's chunk: hashed as it came, or now
+        # training donates the restored arrays: JAX writes its outputs elsewhere, and the part,
+        # committed afterwards from the same memory, still hashes as its manifest says
+        step = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+        w = restored["state"]["w"]
+        for _ in range(3):
+            w = step(w)
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(state(6)["w"]) * 8 + 7)
+        job = replicas.received_job(manifest, held, holder=0)
+        for item, (_, part_files) in job.snapshots.items():
+            part_files.write(LocalDestination(tmp_path / "committed" / item))
 
 
 def test_a_part_that_does_not_hold_together_is_refused() -> None:
