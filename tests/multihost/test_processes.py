@@ -309,9 +309,11 @@ def test_requests_per_process_per_save(
             shares = len(range(chosen, step_files, 2))
             expected.update({"LIST step": 2, "DELETE manifest": 1, "DELETE other": shares + 1})
         assert mine["requests"] == {**expected, **heads}, (step, mine)
-    # At the open only the primary lists the directory (twice: its clean-up, its scan); the
-    # other reads the manifest and metrics.json of each step the primary found.
-    assert primary["reopen"]["LIST dir"] == 2, primary["reopen"]
+    # At the open only the primary lists the directory, once (its clean-up's listing is its
+    # scan), and reads each step's manifest once; the other reads the manifest and
+    # metrics.json of each step the primary found.
+    assert primary["reopen"]["LIST dir"] == 1, primary["reopen"]
+    assert primary["reopen"]["GET manifest"] == 2, primary["reopen"]
     assert other["open"] == {}, other["open"]
     assert other["reopen"] == {"GET manifest": 2, "GET other": 2}, other["reopen"]
 
