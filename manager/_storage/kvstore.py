@@ -245,14 +245,27 @@ class ObjectStore:
     def write(self, key: str, data: bytes, *, if_generation: Any = None) -> Any:
         """Write an object and return its new generation; with `if_generation`, only if the
         object is still at that generation (sent as If-Match, atomic on the server; the
-        generation of a missing key means "only if absent", If-None-Match). None if it was not."""
+        generation of a missing key means "only if absent", If-None-Match). None if it was not.
+
+        A refused write is read back once: a key that holds exactly `data` has it, and its
+        generation is returned. That is this write's own doing when the server did it but its
+        answer was lost on the way (a timeout, a 503 from a proxy) and TensorStore sent the
+        request again, whose condition then fails on the first one's result. The conditional
+        writes here (claims, manifests, the lease, meeting files) carry bytes no other writer
+        writes, and identical bytes from another would come to the same."""
         try:
             stamp = self._result(self._kv.write(key, data, if_equal=if_generation))
         except ValueError as e:
             if "NOT_FOUND" not in str(e):
                 raise
             raise _refusal(self, e, writing=True) from None
-        return stamp.generation or None
+        if stamp.generation or if_generation is None:
+            return stamp.generation or None
+        found, generation = self.read_with_generation(key)
+        if found != data:
+            return None
+        log.info("cairn: %s: %s was written, though its answer was a refusal", self.where, key)
+        return generation
 
     def create(self, key: str, data: bytes) -> Any:
         """Create the object only if it does not exist; its generation, or None if it did."""

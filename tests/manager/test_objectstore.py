@@ -33,6 +33,7 @@ from cairn.manager import (
 )
 from cairn.manager._format import MANIFEST
 from cairn.manager._storage import objectstore
+from cairn.manager._storage.lease import LEASE
 from cairn.manager._storage.objectstore import ObjectStore, StorageOptions
 
 TESTS = Path(__file__).parents[1]
@@ -316,6 +317,41 @@ def test_a_writer_opens_with_one_listing(
     for step in (1, 2, 3):
         assert manifests.count(f"/{url.split('/')[2]}/once/checkpoint_{step}/{MANIFEST}") == 1
     assert store.list_keys("checkpoint_4/") == []
+
+
+@pytest.mark.parametrize(
+    ("lost", "nth"),
+    [("the claim", 0), ("the manifest", 1), ("the lease taken", 0), ("the lease refreshed", 1)],
+)
+def test_a_conditional_write_whose_answer_was_lost_is_known_as_ours(
+    s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, lost: str, nth: int
+) -> None:
+    """The server does a conditional PUT but its answer is lost on the way back (a 503 from a
+    proxy, here), so TensorStore sends it again, and the retry's condition fails on the first
+    one's result. The writer reads the key back, finds its own bytes, and goes on: the save
+    commits, and no racing writer is imagined (the claim: StepAlreadyExistsError; the
+    manifest: DirectoryLockedError; the lease: "another writer took the lease first")."""
+    url = f"{s3_bucket}/lost-{nth}"
+    key = f"checkpoint_1/{MANIFEST}" if "lease" not in lost else LEASE
+    puts = 0
+
+    def matches(method: str, path: str) -> bool:
+        nonlocal puts
+        if method != "PUT" or not path.endswith(f"/{key}"):
+            return False
+        puts += 1
+        return puts == nth + 1
+
+    with CountingProxy(s3_endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        proxy.lose_answer(matches)
+        with CheckpointManager(url) as mgr:
+            mgr.save(1, {"state": state(1)})
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1]
+            assert_tree_equal(mgr.restore(1)["state"], state(1))
+        answered = [r.status for r in proxy.requests() if r.path.endswith(f"/{key}")]
+    assert 503 in answered, answered  # the answer was lost, and the write retried
 
 
 def test_a_step_committed_after_the_clean_up_listed_it_is_kept_and_listed(

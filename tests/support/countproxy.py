@@ -169,14 +169,14 @@ class _Handler(BaseHTTPRequestHandler):
 
         try:
             response = self._send_upstream(body)
+            if self.server.proxy._loses(self.command, split.path):
+                response.read()  # applied upstream; the client hears a 503 instead
+                record(503, 0)
+                self._answer(503, b"countproxy: the upstream's answer was lost\n")
+                return
         except (OSError, http.client.HTTPException) as error:
             record(502, 0)
-            message = f"countproxy: upstream {self.server.upstream}: {error!r}\n".encode()
-            self.send_response_only(502)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(message)))
-            self.end_headers()
-            self.wfile.write(message)
+            self._answer(502, f"countproxy: upstream {self.server.upstream}: {error!r}\n".encode())
             return
         try:
             self._relay(response, record)
@@ -184,6 +184,13 @@ class _Handler(BaseHTTPRequestHandler):
             if response.will_close or not response.isclosed():
                 self._upstream.close()  # the next request reconnects
                 self._used = False
+
+    def _answer(self, status: int, message: bytes) -> None:
+        self.send_response_only(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(message)))
+        self.end_headers()
+        self.wfile.write(message)
 
     def _relay(self, response: http.client.HTTPResponse, record: Record) -> None:
         """Stream the response back; record it just before its last byte goes out."""
@@ -255,6 +262,23 @@ class CountingProxy:
         self._sockets: set[socket.socket] = set()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._losing: list[Callable[[str, str], bool]] = []
+
+    def lose_answer(self, matches: Callable[[str, str], bool]) -> None:
+        """The next request for which `matches(method, path)` is true is forwarded and done
+        upstream, but its client is answered 503 instead (a response lost on the way back, as a
+        load balancer's timeout loses it); the client's retry then finds the request's effect.
+        Once per call."""
+        with self._lock:
+            self._losing.append(matches)
+
+    def _loses(self, method: str, path: str) -> bool:
+        with self._lock:
+            for i, matches in enumerate(self._losing):
+                if matches(method, path):
+                    del self._losing[i]
+                    return True
+            return False
 
     def start(self) -> CountingProxy:
         """Listen on a free port and serve in a daemon thread; returns self."""
