@@ -263,7 +263,8 @@ def local_tier(procs: Any, directory: str) -> None:
     back no replica in a restore (as a holder that cannot reach its owner);
     CAIRN_TEST_STOP_HOLDERS: the same processes stop themselves (SIGSTOP) where they would send
     back (a holder that hangs during a restore); CAIRN_TEST_BARRIER: barrier_timeout= (30 by
-    default)."""
+    default); CAIRN_TEST_WRITER: writer= ("thread" by default); CAIRN_TEST_INCREMENTAL=1:
+    incremental=True."""
     import shutil
     from pathlib import Path
 
@@ -282,13 +283,18 @@ def local_tier(procs: Any, directory: str) -> None:
     sharded, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
     full = np.arange(256 * 16, dtype=np.float32).reshape(256, 16)
 
+    incremental = env.get("CAIRN_TEST_INCREMENTAL") == "1"
+    frozen = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 2 MiB a process
+    unchanged = jax.make_array_from_callback(frozen.shape, sharded, lambda i: frozen[i])
+
     def state(step: int) -> Any:
-        return {
+        changing = {
             "w": jax.make_array_from_callback(full.shape, sharded, lambda i: full[i] * step),
             "r": jax.make_array_from_callback((4, 4), replicated, lambda i: np.eye(4)[i] * step),
             "host": np.arange(3) * step,
             "step": step,
         }
+        return {**changing, "frozen": unchanged} if incremental else changing
 
     def position(step: int) -> int:
         return 7 * procs.index + step
@@ -310,6 +316,8 @@ def local_tier(procs: Any, directory: str) -> None:
             local=tier,
             barrier_timeout=float(env.get("CAIRN_TEST_BARRIER", "30")),
             async_save=env.get("CAIRN_TEST_ASYNC", "1") == "1",
+            writer=env.get("CAIRN_TEST_WRITER", "thread"),
+            incremental=env.get("CAIRN_TEST_INCREMENTAL") == "1",
         )
 
     if env["CAIRN_TEST_PHASE"] == "save":
@@ -325,6 +333,9 @@ def local_tier(procs: Any, directory: str) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
             mgr.wait_until_finished()
             print(f"steps {mgr.all_steps('persistent')} {mgr.all_steps('local')}", flush=True)
+            if incremental and kill_at < 0:  # the packs of "frozen" linked, not written
+                telemetry = mgr.info(mgr.all_steps("persistent")[-1]).telemetry
+                print(f"written {telemetry['bytes_written']} of {telemetry['bytes']}", flush=True)
         return
     wipe = env.get("CAIRN_TEST_WIPE")
     wiped = [int(w) for w in wipe.split(",")] if wipe is not None else []
@@ -358,6 +369,8 @@ def local_tier(procs: Any, directory: str) -> None:
         "host": np.zeros(3, np.int64),
         "step": 0,
     }
+    if incremental:
+        target["frozen"] = jax.ShapeDtypeStruct(frozen.shape, np.float32, sharding=sharded)
     with manager() as mgr:
         latest = mgr.latest_step()
         if latest is None:  # nothing every process can get: a fresh start
@@ -370,6 +383,9 @@ def local_tier(procs: Any, directory: str) -> None:
         for shard in got["state"]["r"].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), np.eye(4) * step)
         np.testing.assert_array_equal(got["state"]["host"], np.arange(3) * step)
+        if incremental:
+            for shard in got["state"]["frozen"].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), frozen[shard.index])
         want = take(advanced(Shuffled(seed=procs.index), position(step)))
         assert take(got["data"]) == want, "the iterator did not come back"
         print(f"latest {latest} restored {step}", flush=True)

@@ -252,7 +252,7 @@ def test_other_shardings_than_saved_come_from_the_persistent_tier(tmp_path: Path
 
 
 def kill_and_resume(
-    place: Place, local: Path, rng: random.Random, count: int, replicas: int = 0
+    place: Place, local: Path, rng: random.Random, count: int, replicas: int = 0, **options: Any
 ) -> None:
     """Every process is SIGKILLed right after save() of a random step returned (that save's
     commits may still be running); a random process's local directory is wiped or not; the
@@ -261,7 +261,7 @@ def kill_and_resume(
     newer of the two tiers' second-newest saves, or with a wiped directory the persistent
     tier's (0: nothing to restore, a fresh start), unless the part had replicas, which are
     committed as surely as the parts (the holder's commit of a replica waits for the one
-    before)."""
+    before). `options`: more of the worker's settings (writer=, incremental=), for both runs."""
     kill_at = rng.randint(3, 14)
     run(
         place,
@@ -272,9 +272,10 @@ def kill_and_resume(
         kill_at=kill_at,
         victim=count,
         replicas=replicas,
+        **options,
     )
     wipe = rng.choice([None, *range(count)])
-    extra = {"replicas": replicas, **({} if wipe is None else {"wipe": wipe})}
+    extra = {"replicas": replicas, **options, **({} if wipe is None else {"wipe": wipe})}
     outs = run(place, local, "resume", count=count, **extra)
     step = restored(outs)
 
@@ -285,6 +286,37 @@ def kill_and_resume(
     lost = wipe is not None and not replicas
     floor = committed(5) if lost else max(committed(5), committed(2))
     assert floor <= step <= kill_at, (kill_at, wipe, step)
+
+
+@pytest.mark.parametrize(
+    "options", [{"writer": "process"}, {"incremental": 1}], ids=["writer-process", "incremental"]
+)
+@pytest.mark.parametrize("place", ["posix", "s3"], indirect=True)
+def test_writer_process_and_incremental_saves_beside_a_local_tier(
+    place: Place, tmp_path_factory: pytest.TempPathFactory, options: dict[str, Any]
+) -> None:
+    """writer="process" (each process's persistent steps committed by a writer process of its
+    own) or incremental=True (a persistent step links or copies the packs of an unchanged
+    array, "frozen", rather than writing them), with replicas=1: the steps of each tier as
+    without them, process 1's wiped directory served by process 0's replica, then every
+    process SIGKILLed at a random step and a random directory wiped: the same step restored
+    everywhere, bit-exact, iterators included, no older than the rule allows."""
+    local = tmp_path_factory.mktemp("local")
+    outs = run(place, local, "save", steps=12, replicas=1, **options)
+    for out in outs:
+        assert "steps [5, 10] [10, 12]" in out, out
+        if "incremental" in options:
+            written, total = map(float, re.search(r"written (\S+) of (\S+)", out).groups())  # type: ignore[union-attr]
+            assert written < total / 2, out
+    outs = run(place, local, "resume", wipe=1, replicas=1, **options)
+    assert restored(outs) == 12
+    assert holder(local / "local-1" / "process_1" / "checkpoint_12") == (1, 1)
+    for out in outs:
+        assert "after [10, 13] [12, 13]" in out, out
+    again = Place(f"{place.directory}-killed")  # a directory of its own (S3: the same bucket)
+    kill_and_resume(
+        again, tmp_path_factory.mktemp("local"), random.Random(str(options)), 2, 1, **options
+    )
 
 
 @pytest.mark.parametrize("replicas", [0, 1])
@@ -299,6 +331,8 @@ def test_four_processes_sigkill_and_wipe_at_random(
     place: Place, tmp_path_factory: pytest.TempPathFactory, trial: int
 ) -> None:
     """make soak: 30 kill trials per backend with 4 processes, each drawing the step of the
-    kill, the process (if any) whose local directory is lost, and replicas (0, 1 or 2)."""
+    kill and the process (if any) whose local directory is lost; replicas (0, 1 or 2) and the
+    persistent tier's writer="process" or incremental=True (or neither) in each combination."""
     rng = random.Random(1000 + trial)
-    kill_and_resume(place, tmp_path_factory.mktemp("local"), rng, 4, trial % 3)
+    options = [{}, {"writer": "process"}, {"incremental": 1}][trial // 3 % 3]
+    kill_and_resume(place, tmp_path_factory.mktemp("local"), rng, 4, trial % 3, **options)
