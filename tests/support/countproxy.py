@@ -19,6 +19,10 @@ response body is streamed back in pieces, with the upstream's Content-Length, or
 upstream gave none. A request is recorded before the last byte of its response goes out, so once a
 client has its response, `requests()` includes it.
 
+`lose_answer` makes the proxy drop the upstream's answer to a chosen request and answer 503
+instead, as a load balancer's timeout does after the server did the request: what a client's
+retry then meets.
+
 Command line, for a proxy in a separate process: `python tests/support/countproxy.py UPSTREAM` prints its
 URL as the first line of stdout, and on SIGTERM, SIGINT or end of stdin prints its log, one JSON
 object per request (`parse_log` reads it back), and exits.
@@ -169,14 +173,16 @@ class _Handler(BaseHTTPRequestHandler):
 
         try:
             response = self._send_upstream(body)
-            if self.server.proxy._loses(self.command, split.path):
-                response.read()  # applied upstream; the client hears a 503 instead
-                record(503, 0)
-                self._answer(503, b"countproxy: the upstream's answer was lost\n")
-                return
+            lost = self.server.proxy._loses(self.command, split.path)
+            if lost:
+                response.read()  # done upstream; the client hears a 503 instead
         except (OSError, http.client.HTTPException) as error:
             record(502, 0)
             self._answer(502, f"countproxy: upstream {self.server.upstream}: {error!r}\n".encode())
+            return
+        if lost:
+            record(503, 0)
+            self._answer(503, b"countproxy: the upstream's answer was lost\n")
             return
         try:
             self._relay(response, record)
