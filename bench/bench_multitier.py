@@ -15,13 +15,17 @@ checkpointing keep their local checkpoints; results in multitier-ramdisk.json).
 Per round, in fresh buckets and directories:
 
 1. Two save phases, replicas=1 and replicas=0: a persistent-only save to S3 (``<url>/plain``),
-   then with ``local=LocalTier(..., replicas=R)`` a local-only save and a save both tiers want.
-   Each kind twice: the first gives the time to committed; the second (staging memory ready,
-   as in a long run) the time ``save()`` blocks and the training time lost: ``save()``, then
+   then with ``local=LocalTier(..., replicas=R, keep=KeepLatest(2))`` a local-only save and a
+   save both tiers want. The first save of each kind gives the time to committed; the last
+   (staging memory ready, and for the local tier its fourth save, so that it deletes a step
+   and, on a RAM disk, writes over the pages of the one deleted before, as every save of a
+   long run does) the time ``save()`` blocks and the training time lost: ``save()``, then
    `--train-s` seconds of a stand-in training step (a jitted 384 x 384 matmul, waited for each
    step), then ``wait_until_finished()``, less the same steps without a save, run just before
    (this machine's speed drifts by seconds between phases). Each figure is the slowest
-   process's.
+   process's. With --ramdisk, a first phase measures the local-only save with replicas=1 as
+   without reusing a deleted step's pages (each freed, each new file allocated), for
+   comparison; it runs first, when the machine is calmest, so the comparison favours it.
 2. Restarts (new processes each, every process's local files first dropped from the page
    cache, so that no restart reads what an earlier one left there), the slowest process's time
    from opening the manager to the restored state (JAX's start-up is the same for every row and
@@ -122,21 +126,26 @@ def limits(nbytes: int, where: Path) -> dict[str, float]:
 
 
 def one_round(
-    endpoint: str, size: int, workdir: Path, local_root: Path, train_s: float
+    endpoint: str, size: int, workdir: Path, local_root: Path, train_s: float, ramdisk: bool
 ) -> dict[str, Any]:
     env = {**s3util.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
     leaves = max(1, size // (ROWS * COLS * 4))
     shape = {"rows": ROWS, "cols": COLS, "leaves": leaves}
-    runs = {}
-    for replicas in (1, 0):
+    runs: dict[Any, Any] = {"figures": {}}
+    # on a RAM disk, first the local save with replicas=1 as it was without reusing a deleted
+    # step's pages (before the phases that fill moto's memory: the machine's calmest state)
+    phases = [("r1_nopool", 1, False)] if ramdisk else []
+    for label, replicas, pool in [*phases, ("r1", 1, True), ("r0", 0, True)]:
         url = f"s3://{make_bucket('s3', endpoint)}/run"
-        local = Path(tempfile.mkdtemp(prefix=f"local-r{replicas}-", dir=local_root))
-        runs[replicas] = (url, local)
+        local = Path(tempfile.mkdtemp(prefix=f"local-{label}-", dir=local_root))
+        if pool:
+            runs[replicas] = (url, local)
         spec = {"phase": "save", "url": url, "local": str(local), "replicas": replicas}
-        got = launch({**spec, "train_s": train_s, **shape}, env, workdir)
+        got = launch({**spec, "pool": pool, "train_s": train_s, **shape}, env, workdir)
         for key in got[0]:
-            runs_key = f"r{replicas}_{key}"
-            runs.setdefault("figures", {})[runs_key] = max(g[key] for g in got)  # type: ignore[union-attr]
+            runs["figures"][f"{label}_{key}"] = max(g[key] for g in got)
+        if not pool:
+            shutil.rmtree(local, ignore_errors=True)
     figures: dict[str, float] = runs.pop("figures")  # type: ignore[assignment]
     variants = {
         "persistent": (1, None, "persistent"),
@@ -189,6 +198,15 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "lost_r1_write_bound": spread(
             [r["r1_limit_socket_write_lost_s"] / r["r1_persistent_lost_s"] for r in rounds], 2
+        ),
+        **(
+            {
+                "lost_r1_nopool": spread(
+                    [r["r1_nopool_local_lost_s"] / r["r1_persistent_lost_s"] for r in rounds], 2
+                )
+            }
+            if "r1_nopool_local_lost_s" in rounds[0]
+            else {}
         ),
         **{
             f"{what}_r{r}": spread(
@@ -244,6 +262,13 @@ def table(summary: dict[str, Any]) -> str:
         f"{cell('r1_limit_socket_write_lost_s')} (÷ a persistent save's: {bound['lost_r1_write_bound']['median']:.2f}, "
         "the least replicas=1 could cost here).",
     ]
+    if "lost_r1_nopool" in ratios:
+        r = ratios["lost_r1_nopool"]
+        lines.append(
+            f"\nThe local-only save with replicas=1 without reusing a deleted step's pages: "
+            f"training time lost {cell('r1_nopool_local_lost_s')} (÷ a persistent save's: "
+            f"{r['median']:.2f}, {r['min']:.2f}-{r['max']:.2f})."
+        )
     return "\n".join(lines)
 
 
@@ -315,7 +340,7 @@ def main() -> None:
             server, endpoint = start_moto(Path(tempfile.mkdtemp(prefix="moto-", dir=workdir)))
             try:
                 train_s = 3.0 if args.quick else args.train_s
-                rounds.append(one_round(endpoint, size, workdir, local_root, train_s))
+                rounds.append(one_round(endpoint, size, workdir, local_root, train_s, args.ramdisk))
             finally:
                 stop(server)
             print(f"round {k + 1}/{rounds_n} in {time.monotonic() - t0:.0f} s", flush=True)

@@ -55,6 +55,7 @@ def main() -> None:
 
     from cairn.manager import AtSteps, CheckpointManager, KeepLatest, LocalTier
     from cairn.manager._core.multihost import Processes
+    from cairn.manager._storage.posix import PosixStorage
 
     procs = Processes.detect()
     mesh = Mesh(np.array(jax.devices()).reshape(procs.count, 2), ("data", "model"))
@@ -73,7 +74,7 @@ def main() -> None:
 
     tier = LocalTier(
         f"{spec['local']}/local-{{process}}",
-        save=AtSteps([1, 2, 11, 12]),
+        save=AtSteps([1, 3, 5, 7, 12, 22]),
         keep=KeepLatest(2),
         replicas=spec["replicas"],
     )
@@ -109,35 +110,43 @@ def main() -> None:
             train(steps)
             return time.monotonic() - t0
 
-        def measure(mgr: Any, step: int, st: Any, name: str) -> None:
-            """The first save (`step`): its time to committed. The second (`step` + 10, its
-            staging memory ready, as in a long run): the time save() blocks, and the time
-            lost to training: save(), the training steps, the wait for its commit, less the
-            same steps without a save, run just before."""
+        def measure(mgr: Any, saves: list[int], st: Any, name: str) -> None:
+            """The first save (`saves[0]`): its time to committed. Those between, each
+            waited for: a long run's state, where each save deletes a step (KeepLatest(2)).
+            The last (its staging memory ready): the time save() blocks, and the time lost
+            to training: save(), the training steps, the wait for its commit, less the same
+            steps without a save, run just before."""
             force = name == "persistent"
             meet(name)
             t0 = time.monotonic()
-            assert mgr.save(step, {"state": st}, force=force)
+            assert mgr.save(saves[0], {"state": st}, force=force)
             mgr.wait_until_finished()
             times[f"{name}_commit_s"] = time.monotonic() - t0
+            for step in saves[1:-1]:
+                assert mgr.save(step, {"state": st}, force=force)
+                mgr.wait_until_finished()
             meet(f"{name}/base")
             paired = base()
             meet(f"{name}/train")
             t0 = time.monotonic()
-            assert mgr.save(step + 10, {"state": st}, force=force)
+            assert mgr.save(saves[-1], {"state": st}, force=force)
             times[f"{name}_blocked_s"] = time.monotonic() - t0
             train(steps)
             mgr.wait_until_finished()
             times[f"{name}_lost_s"] = time.monotonic() - t0 - paired
 
-        with CheckpointManager(f"{spec['url']}/plain", barrier_timeout=600) as mgr:
-            measure(mgr, 1, st1, "persistent")
+        if not spec["pool"]:  # for comparison: each deleted part freed, each new one allocated
+            PosixStorage.reuse_pages = lambda self: None  # type: ignore[method-assign]
+        else:
+            with CheckpointManager(f"{spec['url']}/plain", barrier_timeout=600) as mgr:
+                measure(mgr, [1, 11], st1, "persistent")
         with CheckpointManager(
-            f"{spec['url']}/tiers", save=AtSteps([2, 12]), local=tier, barrier_timeout=600
+            f"{spec['url']}/tiers", save=AtSteps([12, 22]), local=tier, barrier_timeout=600
         ) as mgr:
-            measure(mgr, 1, st1, "local")
-            measure(mgr, 2, st2, "both")
-        if spec["replicas"]:
+            measure(mgr, [1, 3, 5, 7], st1, "local")
+            if spec["pool"]:
+                measure(mgr, [12, 22], st2, "both")
+        if spec["replicas"] and spec["pool"]:
             part = rows * cols * 4 * leaves // procs.count
             times |= transfer_limits(
                 procs, part, meet, lambda: train(steps), base, Path(spec["local"])
@@ -162,8 +171,7 @@ def main() -> None:
         for x in got.values():
             x.block_until_ready()
         times["restore_s"] = time.monotonic() - t0
-        step = 1 if spec["source"] == "persistent" else 2  # steps 11, 12 hold the same values
-        step = {11: 1, 12: 2}.get(mgr.latest_step(), step)
+        step = {11: 1, 22: 2}[mgr.latest_step()]  # the values of st1, st2
         for k in range(leaves):
             for shard in got[f"w{k}"].addressable_shards:
                 assert float(np.asarray(shard.data).ravel()[0]) == k + 1000 * step

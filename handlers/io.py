@@ -19,14 +19,16 @@ Steps that orbax-checkpoint wrote: `ORBAX_COMMIT_SUCCESS`, `ORBAX_STEP_METADATA`
 MissingDependencyError naming the pip extra). The protocol's optional hooks, as the manager calls
 them (nothing, or the handler's own value, where a snapshot or handler lacks one):
 `settle_snapshot`, `release_snapshot`, `snapshot_version`, `share_snapshot`, `check_item`.
-A local tier's parts (each process's own shards of a step): `as_parts`, and `MemorySource`
-(a part received for a restore, read from memory).
+A local tier's parts (each process's own shards of a step): `as_parts`, `MemorySource` (a part
+received for a restore, read from memory), and `PagePool` with `in_memory_directory` (on a RAM
+disk, a deleted step's files written over by the next steps').
 """
 
 from cairn.handlers._files import (
     BACKGROUND_NICE,
     KnownFiles,
     MemorySource,
+    PagePool,
     RangeHashes,
     Ranges,
     WriteBudget,
@@ -35,6 +37,7 @@ from cairn.handlers._files import (
     check_relative,
     fsync_dir,
     fsync_path,
+    in_memory_directory,
     lower_thread_priority,
     open_regular,
     parse_json,
@@ -66,6 +69,7 @@ __all__ = [
     "ORBAX_STEP_METADATA",
     "KnownFiles",
     "MemorySource",
+    "PagePool",
     "RangeHashes",
     "Ranges",
     "Slab",
@@ -84,6 +88,7 @@ __all__ = [
     "fsync_dir",
     "fsync_path",
     "has_state_methods",
+    "in_memory_directory",
     "lower_thread_priority",
     "open_regular",
     "optional",

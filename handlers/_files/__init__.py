@@ -9,7 +9,7 @@ The modules, each using only those before it: `records` (file records, content h
 checks on names and JSON read from a checkpoint), `localio` (no-follow reads, `within`,
 `ChecksummedFile`, fsync), `threads` (writing processes, background priority, `WriteBudget`),
 `source` (`Source`, `LocalSource`, `StoredItem`), `destination` (`Destination`, `write_file`) and
-`disk` (`LocalDestination`, `KnownFiles`).
+`disk` (`LocalDestination`, `KnownFiles`, `PagePool`).
 """
 
 from cairn.handlers._files.destination import BufferedFile, Destination, write_file
@@ -17,8 +17,10 @@ from cairn.handlers._files.disk import (
     DIRECT_MIN,
     KnownFiles,
     LocalDestination,
+    PagePool,
     aligned_empty,
     as_destination,
+    in_memory_directory,
     read_direct,
     resident,
     resident_pages,
@@ -67,6 +69,7 @@ __all__ = [
     "LocalDestination",
     "LocalSource",
     "MemorySource",
+    "PagePool",
     "RangeHashes",
     "Ranges",
     "Source",
@@ -82,6 +85,7 @@ __all__ = [
     "hash_file",
     "in_parts",
     "io_priority",
+    "in_memory_directory",
     "lower_thread_priority",
     "open_regular",
     "parse_json",

@@ -45,9 +45,10 @@ class LocalDestination(Destination):
     writers = 4  # measured at 1 GiB here: the commit took 0.88 s with 4, 1.02 s with 2
     pack_bytes = 64 << 20
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], pool: PagePool | None = None) -> None:
         super().__init__()
         self.directory = Path(directory)
+        self._pool = pool
         self._made: set[str] = set()
         self._made_lock = threading.Lock()
         #: the files `_link` made: links to a committed step's files, whose content is durable
@@ -67,9 +68,12 @@ class LocalDestination(Destination):
                 os.makedirs(self.directory / parent, exist_ok=True)
                 self._made.add(parent)
 
-    def _open(self, relpath: str) -> int:
+    def _target(self, relpath: str) -> Path:
         self._parent(relpath)
-        return os.open(self.directory / relpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        return self.directory / relpath
+
+    def _open(self, relpath: str) -> int:
+        return os.open(self._target(relpath), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     def _link(
         self,
@@ -142,8 +146,13 @@ class LocalDestination(Destination):
         _KNOWN.put((info.st_dev, info.st_ino), (info.st_mtime_ns, size, digest))
 
     def _put(self, relpath: str, pieces: list[memoryview]) -> None:
-        fd = self._open(relpath)
+        size = sum(v.nbytes for v in pieces)
+        fd = self._pool.take(size, self._target(relpath)) if self._pool is not None else None
+        if fd is None:
+            fd = self._open(relpath)
         try:
+            if self._pool is not None:
+                os.ftruncate(fd, size)  # a file written over: its length is this one's
             views = [v for v in pieces if v.nbytes]
             while views and _direct_candidate(views[0]):  # page-aligned spans, in whole pages
                 whole = views[0].nbytes - views[0].nbytes % DIRECT_ALIGN
@@ -181,6 +190,106 @@ class _TrackedFile(ChecksummedFile):
             super().close()
             with self._dest._written_lock:
                 self._dest._written[self._relpath] = self.record
+
+
+class PagePool:
+    """The files of deleted steps on a RAM disk, kept for the next steps' files to be written
+    over (`LocalDestination`): a tmpfs file's pages are memory, and writing over them spares
+    the kernel allocating, zeroing and charging fresh pages for every save and freeing the
+    deleted step's (0.25 s against 0.17 s and 0.05 s for 512 MiB here, idle). Only files this
+    process may own alone go in (`keep`); the pool holds the files of the last step deleted
+    (others unused by then are removed), in `directory`, which the storage removes at its open.
+    Thread-safe: the reclaim thread keeps, writer threads take."""
+
+    MIN_BYTES = 1 << 20  # smaller files: not worth a rename
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._files: list[tuple[int, str]] = []  # (size, path), sorted
+
+    def keep(self, deleted: Path) -> None:
+        """Move the files of the deleted step `deleted` (renamed out of the steps: no reader
+        looks there) that may be written over into the pool: regular files of at least
+        `MIN_BYTES`, with no other link (a link elsewhere would change with them), owned by
+        this user and writable by no one else. The rest stays for the caller to remove."""
+        self.directory.mkdir(exist_ok=True)
+        with self._lock:
+            stale, self._files = self._files, []
+        for _, path in stale:
+            _unlink_quietly(path)
+        kept = []
+        for top, _, names in os.walk(deleted):  # never into a link to a directory
+            for name in names:
+                path = os.path.join(top, name)
+                info = os.lstat(path)
+                if (
+                    not stat.S_ISREG(info.st_mode)
+                    or info.st_nlink != 1
+                    or info.st_size < self.MIN_BYTES
+                    or info.st_uid != os.geteuid()
+                    or info.st_mode & 0o022
+                ):
+                    continue
+                pooled = str(self.directory / f"{len(kept)}.{info.st_ino}")
+                os.rename(path, pooled)
+                kept.append((info.st_size, pooled))
+        with self._lock:
+            self._files = sorted(kept)
+
+    def take(self, size: int, target: Path) -> int | None:
+        """A file of the pool (the smallest of at least `size` bytes, else the largest) made
+        `target` (which must not exist: FileExistsError), open for writing over; None where
+        the pool has none or it cannot be used (then nothing was made)."""
+        if size < self.MIN_BYTES:
+            return None
+        with self._lock:
+            if not self._files:
+                return None
+            at = next((i for i, (n, _) in enumerate(self._files) if n >= size), -1)
+            _, path = self._files.pop(at)
+        try:
+            os.link(path, target, follow_symlinks=False)
+        except FileExistsError:
+            _unlink_quietly(path)
+            raise
+        except OSError:
+            _unlink_quietly(path)
+            return None
+        _unlink_quietly(path)
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            _unlink_quietly(str(target))
+            return None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # changed meanwhile
+            os.close(fd)
+            _unlink_quietly(str(target))
+            return None
+        return fd
+
+    def clear(self) -> None:
+        with self._lock:
+            stale, self._files = self._files, []
+        for _, path in stale:
+            _unlink_quietly(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError as e:
+        log.warning("cairn: could not remove %s: %s", path, e)
+
+
+def in_memory_directory(directory: Path) -> bool:
+    """Whether `directory` is on a RAM disk (tmpfs, ramfs)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _in_memory_filesystem(fd, os.fstat(fd).st_dev)
+    finally:
+        os.close(fd)
 
 
 def as_destination(target: Destination | str | os.PathLike[str]) -> Destination:

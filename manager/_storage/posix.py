@@ -29,7 +29,14 @@ from cairn.handlers.errors import (
     ReadOnlyError,
     StepAlreadyExistsError,
 )
-from cairn.handlers.io import fsync_dir, fsync_path, read_no_follow, within
+from cairn.handlers.io import (
+    PagePool,
+    fsync_dir,
+    fsync_path,
+    in_memory_directory,
+    read_no_follow,
+    within,
+)
 from cairn.manager._format import (
     LOCK,
     MANIFEST,
@@ -65,6 +72,7 @@ class PosixStorage:
         self.url = str(root)
         self.identity = os.path.realpath(root)
         self._lock: _DirectoryLock | None = None
+        self._pool: PagePool | None = None  # `reuse_pages`
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.url!r})"
@@ -111,8 +119,19 @@ class PosixStorage:
         os.ftruncate(self._lock.fd, 0)
         os.pwrite(self._lock.fd, f"{os.getpid()} {pid} {WRITER_MARK}".encode(), 0)
 
+    def reuse_pages(self) -> None:
+        """On a RAM disk, a deleted step's files become the next steps' files, written over
+        (`PagePool`), rather than freed. For a directory only this process reads (a local
+        tier's parts): a reader holding a deleted step's file open would see it change,
+        where a freed file keeps its bytes. Call after `acquire` (whose clean-up removes the
+        pool a previous run left)."""
+        if self._pool is None and in_memory_directory(self.root):
+            self._pool = PagePool(self.root / f"{TRASH_PREFIX}pages")
+
     def close(self) -> None:
-        """Nothing local to free."""
+        """The files of the pool, if any, go (nothing else local to free)."""
+        if self._pool is not None:
+            self._pool.clear()
 
     # ------------------------------------------------------------------ listing and reading
 
@@ -211,7 +230,7 @@ class PosixStorage:
             tmp.mkdir()
             for item in items:
                 (tmp / item).mkdir()
-        return _Prepared(self.root, tmp, self.root / name, owner=create)
+        return _Prepared(self.root, tmp, self.root / name, owner=create, pool=self._pool)
 
     def delete_step(self, name: str) -> Reclaim | None:
         """Rename the step to trash (atomic: from then on it is no step) and fsync; freeing its
@@ -224,7 +243,18 @@ class PosixStorage:
             log.warning("cairn: step directory %s was already gone", self.root / name)
             return None
         fsync_dir(self.root)
-        return lambda: _remove_trash(trash)
+        pool = self._pool
+        if pool is None:
+            return lambda: _remove_trash(trash)
+
+        def reclaim() -> None:
+            try:
+                pool.keep(trash)
+            except OSError as e:  # then it is freed as without a pool
+                log.warning("cairn: could not keep the files of %s to write over: %s", trash, e)
+            _remove_trash(trash)
+
+        return reclaim
 
     def retire_step(self, name: str) -> None:
         raise NotImplementedError("a POSIX step is deleted with delete_step (one rename)")
@@ -374,13 +404,16 @@ def _remove_trash(trash: Path) -> None:
 class _Prepared:
     """A step being written into ``<name>.tmp-<hex>``; the rename is its commit."""
 
-    def __init__(self, root: Path, tmp: Path, final: Path, *, owner: bool) -> None:
+    def __init__(
+        self, root: Path, tmp: Path, final: Path, *, owner: bool, pool: PagePool | None
+    ) -> None:
         self._root, self._tmp, self._final, self._owner = root, tmp, final, owner
+        self._pool = pool
         self._synced = False  # every item durable already (sync): the manifest is what is left
         self._destinations: list[LocalDestination] = []
 
     def destination(self, item: str) -> Destination:
-        dest = LocalDestination(self._tmp / item)
+        dest = LocalDestination(self._tmp / item, self._pool)
         self._destinations.append(dest)
         return dest
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ import pytest
 from support.iterutil import Shuffled, advanced, take
 
 from cairn.manager import (
+    AtSteps,
     CheckpointManager,
     CorruptCheckpointError,
     EveryNSeconds,
@@ -572,3 +574,89 @@ def test_a_replica_held_for_another_process_is_not_reported(
         "/cairn/local/checkpoint/read/duration_secs",
     ]
     assert not (tmp_path / "tb").exists()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs mount of its own: a RAM disk, as /dev/shm is."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def big(step: int, rows: int = 1024) -> dict[str, Any]:
+    """A state whose part is one pack of 2 MiB (rows=1024), over the pool's 1 MiB."""
+    return {"w": jnp.full((rows, 512), step, jnp.float32), "step": step}
+
+
+def reclaimed(manager: Any) -> None:
+    """Wait until the part manager's reclaim thread has done what it was given."""
+    manager._commits._reclaimer.pool.submit(lambda: None).result()
+
+
+def pack_of(parts: Path, step: int) -> Path:
+    (pack,) = (parts / f"checkpoint_{step}" / "state" / "packs").glob("0.*")
+    return pack
+
+
+def test_on_a_ram_disk_a_deleted_parts_files_are_written_over_by_the_next(
+    tmp_path: Path, tmpfs: Path
+) -> None:
+    """Local tier on tmpfs, KeepLatest(2): the pack of a deleted step is kept (no pages freed)
+    and becomes the pack of a later step, written over (its inode); a smaller state cuts it
+    to its own length. Files that may not be written over are freed instead: one with a second
+    link (a crafted hard link to a file outside), one that others may write, and a symlink is
+    never followed. Every step restores bit-exact and verifies clean; a new manager removes
+    what the last one left in the pool. On the disk there is no pool."""
+    tier = LocalTier(tmpfs / "local-{process}", save=EveryNSteps(1), keep=KeepLatest(2))
+    parts = tmpfs / "local-0" / "process_0"
+    pool = parts / ".trash-pages"
+    outside = tmpfs / "outside"
+    with CheckpointManager(tmp_path / "persistent", save=AtSteps([]), local=tier) as mgr:
+        inner = mgr._local.inner
+        assert mgr._storage._pool is None  # the persistent tier, on the disk
+        for step in (1, 2, 3):
+            mgr.save(step, {"state": big(step)})
+        mgr.wait_until_finished()
+        reclaimed(inner)
+        kept = [p.stat().st_ino for p in pool.iterdir()]  # step 1's pack
+        assert len(kept) == 1
+        mgr.save(4, {"state": big(4)})
+        mgr.wait_until_finished()
+        assert pack_of(parts, 4).stat().st_ino == kept[0]  # written over, not allocated
+        reclaimed(inner)
+        # step 3 is deleted next: a hard link to its pack from outside, a file others may
+        # write, and a symlink to the outside file, inside it
+        os.link(pack_of(parts, 3), outside)
+        before = outside.read_bytes()
+        loose = parts / "checkpoint_3" / "state" / "loose"
+        loose.write_bytes(b"x" * (2 << 20))
+        loose.chmod(0o666)
+        (parts / "checkpoint_3" / "state" / "link").symlink_to(outside)
+        mgr.save(5, {"state": big(5, rows=600)})  # a smaller part: the pack written over is cut
+        mgr.wait_until_finished()
+        reclaimed(inner)
+        assert sorted(pool.iterdir()) == []  # none of step 3's files may be written over
+        assert not (parts / "checkpoint_3").exists()
+        assert outside.read_bytes() == before  # the outside file keeps its bytes
+        assert os.stat(outside).st_nlink == 1
+        mgr.save(6, {"state": big(6)})
+        mgr.wait_until_finished()
+        assert pack_of(parts, 5).stat().st_size < pack_of(parts, 6).stat().st_size
+        reclaimed(inner)
+        assert len(list(pool.iterdir())) == 1  # step 4's pack
+    assert list(pool.iterdir()) == []  # close() frees the pool
+    with CheckpointManager(parts, read_only=True) as reader:
+        for step, rows in ((5, 600), (6, 1024)):
+            got = reader.restore(step, {"state": None})["state"]
+            np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(big(step, rows)["w"]))
+            assert reader.verify(step) == []
+    (pool / "0.1").write_bytes(b"left by a writer killed")
+    with CheckpointManager(tmp_path / "persistent", save=AtSteps([]), local=tier) as mgr:
+        assert not pool.exists()  # removed at the open
+        assert mgr._local.inner._storage._pool is not None
+        assert mgr.restore(6, {"state": None})["state"]["step"] == 6
