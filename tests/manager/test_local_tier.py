@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
