@@ -5,6 +5,7 @@ this process knows of files it wrote or hashed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -218,21 +219,25 @@ class PagePool:
             stale, self._files = self._files, []
         for _, path in stale:
             _unlink_quietly(path)
-        kept = []
+        kept: list[tuple[int, str]] = []
         for top, _, names in os.walk(deleted):  # never into a link to a directory
             for name in names:
                 path = os.path.join(top, name)
-                info = os.lstat(path)
-                if (
-                    not stat.S_ISREG(info.st_mode)
-                    or info.st_nlink != 1
-                    or info.st_size < self.MIN_BYTES
-                    or info.st_uid != os.geteuid()
-                    or info.st_mode & 0o022
-                ):
+                try:
+                    info = os.lstat(path)
+                    if (
+                        not stat.S_ISREG(info.st_mode)
+                        or info.st_nlink != 1
+                        or info.st_size < self.MIN_BYTES
+                        or info.st_uid != os.geteuid()
+                        or info.st_mode & 0o022
+                    ):
+                        continue
+                    pooled = str(self.directory / f"{len(kept)}.{info.st_ino}")
+                    os.rename(path, pooled)
+                except OSError as e:  # left where it is, for the caller to remove
+                    log.warning("cairn: %s is freed, not written over: %s", path, e)
                     continue
-                pooled = str(self.directory / f"{len(kept)}.{info.st_ino}")
-                os.rename(path, pooled)
                 kept.append((info.st_size, pooled))
         with self._lock:
             self._files = sorted(kept)
@@ -270,15 +275,21 @@ class PagePool:
         return fd
 
     def clear(self) -> None:
+        """Free every file of the pool (the manager's close)."""
         with self._lock:
             stale, self._files = self._files, []
         for _, path in stale:
             _unlink_quietly(path)
+        with contextlib.suppress(OSError):  # not made, or not empty: the next open removes it
+            self.directory.rmdir()
 
 
 def _unlink_quietly(path: str) -> None:
+    """Unlink `path`; one gone already is not said (`keep` may free a file a writer took)."""
     try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
     except OSError as e:
         log.warning("cairn: could not remove %s: %s", path, e)
 
