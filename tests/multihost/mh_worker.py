@@ -264,7 +264,8 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_STOP_HOLDERS: the same processes stop themselves (SIGSTOP) where they would send
     back (a holder that hangs during a restore); CAIRN_TEST_BARRIER: barrier_timeout= (30 by
     default); CAIRN_TEST_WRITER: writer= ("thread" by default); CAIRN_TEST_INCREMENTAL=1:
-    incremental=True."""
+    incremental=True, and a constant array of 4 MiB ("frozen") in the state; CAIRN_TEST_BIG=1:
+    that array alone (parts of 2 MiB, which a RAM disk's PagePool takes)."""
     import shutil
     from pathlib import Path
 
@@ -284,6 +285,7 @@ def local_tier(procs: Any, directory: str) -> None:
     full = np.arange(256 * 16, dtype=np.float32).reshape(256, 16)
 
     incremental = env.get("CAIRN_TEST_INCREMENTAL") == "1"
+    big = incremental or env.get("CAIRN_TEST_BIG") == "1"  # parts over PagePool's 1 MiB
     frozen = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 2 MiB a process
     unchanged = jax.make_array_from_callback(frozen.shape, sharded, lambda i: frozen[i])
 
@@ -294,7 +296,7 @@ def local_tier(procs: Any, directory: str) -> None:
             "host": np.arange(3) * step,
             "step": step,
         }
-        return {**changing, "frozen": unchanged} if incremental else changing
+        return {**changing, "frozen": unchanged} if big else changing
 
     def position(step: int) -> int:
         return 7 * procs.index + step
@@ -336,6 +338,11 @@ def local_tier(procs: Any, directory: str) -> None:
             if incremental and kill_at < 0:  # the packs of "frozen" linked, not written
                 telemetry = mgr.info(mgr.all_steps("persistent")[-1]).telemetry
                 print(f"written {telemetry['bytes_written']} of {telemetry['bytes']}", flush=True)
+            if big:  # on a RAM disk: the files of deleted parts, kept to be written over
+                for part in mgr._local.managers.values():
+                    part._commits._reclaimer.pool.submit(lambda: None).result()
+                pooled = list(Path(local_root, f"local-{procs.index}").glob("*/.trash-pages/*"))
+                print(f"pooled {len(pooled)}", flush=True)
         return
     wipe = env.get("CAIRN_TEST_WIPE")
     wiped = [int(w) for w in wipe.split(",")] if wipe is not None else []
@@ -369,7 +376,7 @@ def local_tier(procs: Any, directory: str) -> None:
         "host": np.zeros(3, np.int64),
         "step": 0,
     }
-    if incremental:
+    if big:
         target["frozen"] = jax.ShapeDtypeStruct(frozen.shape, np.float32, sharding=sharded)
     with manager() as mgr:
         latest = mgr.latest_step()
@@ -383,7 +390,7 @@ def local_tier(procs: Any, directory: str) -> None:
         for shard in got["state"]["r"].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), np.eye(4) * step)
         np.testing.assert_array_equal(got["state"]["host"], np.arange(3) * step)
-        if incremental:
+        if big:
             for shard in got["state"]["frozen"].addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), frozen[shard.index])
         want = take(advanced(Shuffled(seed=procs.index), position(step)))
