@@ -192,9 +192,7 @@ class Local:
                     )
                     # its commits and restores under the local tier's names, not Orbax's
                     managers[owner]._telemetry.local_tier(options.tensorboard_dir, own=owner == me)
-                    reuse = getattr(managers[owner]._storage, "reuse_pages", None)
-                    if reuse is not None:  # a directory on a RAM disk: no pages freed
-                        reuse()
+                    managers[owner]._storage.reuse_pages()  # on a RAM disk: no pages freed
             local = cls(tier, managers, together, ring, post)
             if post is not None:
                 post.open(local.deliver)  # (a part that came in meanwhile waited for this)

@@ -97,6 +97,11 @@ class StepStore(Protocol):
         """Where step `name` is (StepInfo.path): a Path on POSIX, a URL otherwise."""
         ...
 
+    def reuse_pages(self) -> None:
+        """For a local tier's directory of parts: where its files are memory (a RAM disk), a
+        deleted step's files become the next steps' files (`PosixStorage`); elsewhere nothing."""
+        ...
+
     def clean_leftovers(self, names: StepNames) -> list[Listed]:
         """Remove what crashed writers left (temporary steps, trash, half-replaced files); the
         writer calls this once, at start-up, holding the directory. Returns every committed step

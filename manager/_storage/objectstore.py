@@ -281,6 +281,9 @@ class KvStorage:
 
     # ------------------------------------------------------------------ writing
 
+    def reuse_pages(self) -> None:
+        """Nothing: an object store's objects are no pages of this host's."""
+
     def clean_leftovers(self, names: StepNames) -> list[Listed]:
         """Prefixes that a cairn writer claimed and never committed (it died, or lost its
         lease), and steps (or directories, `delete_directory`'s) whose deletion a crash

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Gate
+from support.mounts import mounted
 from support.pages import evict, resident_pages
 
 from cairn.handlers import LocalDestination, TrainStateHandler
@@ -221,13 +222,8 @@ def test_aligned_chunks_go_to_disk_past_the_page_cache(tmp_path: Path) -> None:
 def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A ramfs mount: a real filesystem that refuses O_DIRECT (EINVAL), as some network and
     in-memory filesystems do. The tests run as root here, as CI does."""
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "ramfs", "none", str(where)], check=True)
-    try:
+    with mounted("ramfs", tmp_path / "ramfs") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_a_filesystem_that_refuses_o_direct_gets_every_byte_buffered(ramfs: Path) -> None:

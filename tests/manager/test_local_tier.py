@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.iterutil import Shuffled, advanced, take
+from support.mounts import mounted
 
 from cairn.manager import (
     AtSteps,
@@ -579,13 +580,8 @@ def test_a_replica_held_for_another_process_is_not_reported(
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs mount of its own: a RAM disk, as /dev/shm is."""
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
-    try:
+    with mounted("tmpfs", tmp_path / "tmpfs") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def big(step: int, rows: int = 1024) -> dict[str, Any]:

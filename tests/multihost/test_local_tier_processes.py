@@ -10,7 +10,6 @@ import json
 import random
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 from conftest import Place
 from launcher import launch, start
+from support.mounts import mounted
 
 
 def run(place: Place, local: Path, phase: str, count: int = 2, **env: Any) -> list[str]:
@@ -324,13 +324,8 @@ def test_writer_process_and_incremental_saves_beside_a_local_tier(
 @pytest.fixture
 def ramdisk(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs mount of its own, for the local directories: a RAM disk, as /dev/shm is."""
-    where = tmp_path / "ramdisk"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
-    try:
+    with mounted("tmpfs", tmp_path / "ramdisk") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_on_a_ram_disk_deleted_parts_are_written_over_and_restore_bit_exact(
