@@ -305,17 +305,17 @@ class Post:
         except Exception as e:
             answer = f"{type(e).__name__}: {e}"
             log.error("cairn: a part sent by process %s was not taken: %s", owner, answer)
-        try:
-            conn.send_bytes(answer.encode()[:_HEADER_BYTES])
-        except OSError as e:
-            log.warning("cairn: could not answer process %s: %r", owner, e)
-        if owner is not None and step is not None:
-            with self._changed:
+        if owner is not None and step is not None:  # before the answer: once the sender has
+            with self._changed:  # it, nothing here may change (it may `forget_back` next)
                 if not back:
                     self._received[owner] = max(step, self._received.get(owner, step))
                 elif owner == self._me:  # one that broke on the way: its restore stops waiting
                     self._back.setdefault(step, Received())
                 self._changed.notify_all()
+        try:
+            conn.send_bytes(answer.encode()[:_HEADER_BYTES])
+        except OSError as e:
+            log.warning("cairn: could not answer process %s: %r", owner, e)
 
     def _hand_over(self, owner: int, step: int, pieces: list[memoryview]) -> None:
         """`deliver` a part received (once the local tier opened)."""
