@@ -125,14 +125,16 @@ def group_staged(
 
 def staged_pack(slab: np.ndarray, chunks: Sequence[tuple[str, int, int]]) -> _Pack:
     """A pack of staged chunks (vpath, slab offset, bytes; in slab order): spans of the slab,
-    chunks that follow each other in the slab (at most a page apart, the bytes between them
-    zeroed) in one span, so that a pack of a whole save is written from the slab in one piece,
-    with O_DIRECT up to its last whole page where its first chunk starts on a page."""
+    chunks that follow each other in the slab (at most a page apart) in one span, so that a
+    pack of a whole save is written from the slab in one piece, with O_DIRECT up to its last
+    whole page where its first chunk starts on a page. The bytes between two chunks go into the
+    pack as the slab holds them: zeros (staging zeroed them), or a chunk this pack leaves out
+    (another process's replica of it, or unchanged, kept where an earlier step put it). The
+    slab is only read: the writers of each tier a snapshot feeds read it at once."""
     pack = _Pack()
     spans: list[list[int]] = []  # [start, end) in the slab
     for vpath, at, nbytes in chunks:
         if spans and 0 <= at - spans[-1][1] <= PAGE:
-            slab[spans[-1][1] : at] = 0  # whatever an earlier save left between the two
             pack.size += at - spans[-1][1]
             spans[-1][1] = at
         else:

@@ -14,7 +14,7 @@ import numpy as np
 
 from cairn.handlers._files import FileRecord
 from cairn.handlers._packs import PACK_BYTES
-from cairn.handlers._staging import Lease, round_up
+from cairn.handlers._staging import PAGE, Lease, round_up
 from cairn.handlers._train_state.layout import _chunk_parts, _size
 from cairn.handlers._train_state.threads import _shared_pool
 from cairn.handlers._tree import KeyPath
@@ -110,9 +110,18 @@ def _stage(placed: Sequence[_Placed], lease: Lease) -> _Copying | None:
     edge chunks padded with zeros); the leaves then hold their slab offsets and no longer
     reference the arrays they came from. Copies of less than `_COPY_PIECE` in all are done
     here (None); larger ones go to the copy pool's two threads, and the `_Copying` returned
-    tells when each span of the slab is filled."""
+    tells when each span of the slab is filled.
+
+    The bytes between two chunks (at most a page: alignment) are zeroed here, before any
+    writer reads the slab: a pack spans them (`staged_pack`), and the slab is read, never
+    written, by the writers of the tiers one snapshot feeds, whose chunks differ (a local tier's
+    part holds every shard a process has, the persistent tier replica 0 only)."""
     copies: list[tuple[np.ndarray, np.ndarray, int]] = []  # into, from, slab offset after
+    end = 0
     for leaf, key, part, at, nbytes in placed:
+        if 0 < at - end <= PAGE:
+            lease.slab.array[end:at] = 0  # whatever an earlier save left there
+        end = at + nbytes
         dst = lease.slab.array[at : at + nbytes].view(leaf.dtype).reshape(leaf.chunk)
         if not leaf.chunk:
             copies.append((dst, part.reshape(()), at + nbytes))

@@ -27,7 +27,7 @@ from cairn.handlers import TrainStateHandler, TrainStateRestore
 from cairn.handlers import _packs as packs_impl
 from cairn.handlers._files import LocalDestination
 from cairn.handlers._packs import PACK_BYTES, group, group_staged
-from cairn.handlers._staging import PAGE
+from cairn.handlers._staging import PAGE, StagingPool, staging_for
 from cairn.handlers._train_state.staging import _stage_layout
 from cairn.handlers._train_state.threads import _Tickets
 from cairn.handlers.errors import CorruptCheckpointError
@@ -166,6 +166,49 @@ def test_staged_packs_start_on_pages_and_hold_at_most_pack_bytes() -> None:
         first, last = pack[0], pack[-1]
         assert first[1] % PAGE == 0, first
         assert last[1] + last[2] - first[1] <= PACK_BYTES or len(pack) == 1
+
+
+def test_a_staged_pack_reads_the_slab_and_never_writes_it() -> None:
+    """One snapshot feeds the writers of both tiers at once, and their chunks differ: a local
+    tier's part holds a replicated leaf that another process writes to the persistent tier. A
+    pack that leaves out a chunk lying between two of its own spans its bytes as the slab holds
+    them, and changes no byte of the slab (it once zeroed them under the other writer: a
+    process's local part of a step both tiers saved held zeros, or failed its hash)."""
+    slab = np.arange(1, 513, dtype=np.uint16).astype(np.uint8)  # no zero byte to hide in
+    chunks = [("a", 0, 40), ("b", 64, 36), ("c", 128, 200)]
+    before = slab.copy()
+    some = packs_impl.staged_pack(slab, [chunks[0], chunks[2]])
+    every = packs_impl.staged_pack(slab, chunks)
+    assert np.array_equal(slab, before)
+    assert some.chunks == [("a", 0, 40), ("c", 128, 200)] and every.chunks == chunks
+    for pack in (some, every):
+        assert b"".join(bytes(p) for p in pack.pieces) == before[:328].tobytes()
+
+
+def test_staging_zeroes_the_bytes_between_chunks_that_an_earlier_save_left(
+    tmp_path: Path,
+) -> None:
+    """The slab a save stages into holds what the last save left; the bytes between two chunks
+    (alignment) are zeroed as the chunks are copied in, so a pack's bytes are the state's alone
+    (the same state gives the same pack), whatever the slab held."""
+    state = {f"x{i}": np.full(10 + i, i + 1, np.uint8) for i in range(6)}  # 10-15 bytes each
+    handler = TrainStateHandler(layout="packed")
+    pool = StagingPool()
+
+    def staged(where: str) -> tuple[np.ndarray, bytes]:
+        with staging_for(pool, "state"):
+            snap = handler.snapshot(state)
+        assert snap._lease is not None
+        slab = snap._lease.slab.array
+        written = snap.write(tmp_path / where)
+        (pack,) = [r.path for r in written if r.path.startswith("packs/0.")]
+        return slab, (tmp_path / where / pack).read_bytes()
+
+    slab, first = staged("first")
+    assert first.count(0) >= 5 * (64 - 15)  # the alignment between the six chunks
+    slab[:] = 0xAB  # an earlier save's bytes
+    again, second = staged("second")
+    assert again is slab and second == first
 
 
 def damage(root: Path, step: int, vpath: str) -> str:
