@@ -6,6 +6,7 @@ after every restore."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -362,7 +363,14 @@ def test_four_processes_sigkill_and_wipe_at_random(
 ) -> None:
     """make soak: 30 kill trials per backend with 4 processes, each drawing the step of the
     kill and the process (if any) whose local directory is lost; replicas (0, 1 or 2) and the
-    persistent tier's writer="process" or incremental=True (or neither) in each combination."""
+    persistent tier's writer="process" or incremental=True (or neither) in each combination,
+    with the local directories on a disk and (trials 9-17 and 27-29) on a tmpfs mount, with
+    parts over 1 MiB, whose deleted files `PagePool` keeps and writes over."""
     rng = random.Random(1000 + trial)
-    options = [{}, {"writer": "process"}, {"incremental": 1}][trial // 3 % 3]
-    kill_and_resume(place, tmp_path_factory.mktemp("local"), rng, 4, trial % 3, **options)
+    options: dict[str, Any] = [{}, {"writer": "process"}, {"incremental": 1}][trial // 3 % 3]
+    local = tmp_path_factory.mktemp("local")
+    with contextlib.ExitStack() as stack:
+        if trial // 9 % 2:
+            local = stack.enter_context(mounted("tmpfs", local / "ramdisk"))
+            options["big"] = 1
+        kill_and_resume(place, local, rng, 4, trial % 3, **options)
