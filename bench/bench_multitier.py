@@ -3,12 +3,14 @@
     .venv/bin/python bench/bench_multitier.py               # the full run: 1 GiB, 3 rounds
     .venv/bin/python bench/bench_multitier.py --quick       # a smoke run: 64 MiB, 1 round (*.tmp)
     .venv/bin/python bench/bench_multitier.py --ramdisk     # local directories on /dev/shm
+    .venv/bin/python bench/bench_multitier.py --ramdisk --processes 4   # the state over 4
 
 Starts moto's S3 server on 127.0.0.1 for each round (bench_objectstore.start_moto: objects in
-memory, on the same cores as everything else) and launches 2 real `jax.distributed` processes on 127.0.0.1 per
-phase (bench/mt_bench_worker.py, two CPU devices each). The state: `--size` bytes of float32
-leaves of 4096 x 1024 (16 MiB) over a (2, 2) mesh, PartitionSpec("data", "model"), so each
-process holds half. Local directories live under bench/results/tmp (this machine's disk), or
+memory, on the same cores as everything else) and launches `--processes` (2) real
+`jax.distributed` processes on 127.0.0.1 per phase (bench/mt_bench_worker.py, two CPU devices
+each). The state: `--size` bytes of float32 leaves of 4096 x 1024 (16 MiB) over a (N, 2) mesh,
+PartitionSpec("data", "model"), so each of the N processes holds 1/N of it (results with 4
+processes: ``-4p`` in the names below). Local directories live under bench/results/tmp (this machine's disk), or
 with --ramdisk on /dev/shm (tmpfs: a RAM disk, where MaxText's emergency and multi-tier
 checkpointing keep their local checkpoints; results in multitier-ramdisk.json).
 
@@ -32,19 +34,19 @@ Per round, in fresh buckets and directories:
    is left out):
    ``persistent`` (``<url>/plain``, no local tier: every byte from S3); ``local`` (disks intact:
    each process reads its own part); ``peer`` (replicas=1, process 1's local directory wiped
-   first: its part comes back from process 0's replica over a socket); ``mixed`` (replicas=0, process 1
-   wiped: it reads S3, process 0 its own part).
+   first: its part comes back from the replica another process holds, over a socket);
+   ``mixed`` (replicas=0, process 1 wiped: it reads S3, the others their own parts).
 
 The machine's limits, in the same run: a plain memcpy and a plain write+fsync of one process's
-half of the state (to where the local directories are); for the replicas: a plain jitted
-ppermute of that half, already on the device, to the other process, and the same bytes over a
+part of the state (to where the local directories are); for the replicas: a plain jitted
+ppermute of that part, already on the device, to the next process, and the same bytes over a
 plain socket from memory to memory (the faster of the two is the fastest a part moves here),
-and the training time lost while background threads send it to the other process over a plain
-socket and receive the other's, then also write and fsync what they received (the least any
+and the training time lost while background threads send it to the next process over a plain
+socket and receive the previous one's, then also write and fsync what they received (the least any
 background replication could cost here).
 
 Results: bench/results/multitier.json; plot: docs/benchmarks_multitier.png (-ramdisk in both
-names with --ramdisk).
+names with --ramdisk, -4p with --processes 4).
 """
 
 from __future__ import annotations
@@ -79,24 +81,26 @@ GOALS = {
 }
 
 
-def launch(spec: dict[str, Any], env: dict[str, str], workdir: Path) -> list[dict[str, float]]:
-    """Run the worker on 2 processes with `spec`; each process's times."""
+def launch(
+    spec: dict[str, Any], env: dict[str, str], workdir: Path, count: int = 2
+) -> list[dict[str, float]]:
+    """Run the worker on `count` processes with `spec`; each process's times."""
     import subprocess
 
     spec_path = workdir / f"spec-{uuid.uuid4().hex[:8]}.json"
     spec_path.write_text(json.dumps(spec))
     port = str(launcher.free_port())
-    outs = [workdir / f"out-{spec_path.stem}-{i}.json" for i in range(2)]
+    outs = [workdir / f"out-{spec_path.stem}-{i}.json" for i in range(count)]
     full_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(spec_path), str(i), "2", port, str(outs[i])],
+            [sys.executable, str(WORKER), str(spec_path), str(i), str(count), port, str(outs[i])],
             env=full_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(2)
+        for i in range(count)
     ]
     for i, proc in enumerate(procs):
         _, err = proc.communicate(timeout=1800)
@@ -126,7 +130,13 @@ def limits(nbytes: int, where: Path) -> dict[str, float]:
 
 
 def one_round(
-    endpoint: str, size: int, workdir: Path, local_root: Path, train_s: float, ramdisk: bool
+    endpoint: str,
+    size: int,
+    workdir: Path,
+    local_root: Path,
+    train_s: float,
+    ramdisk: bool,
+    count: int,
 ) -> dict[str, Any]:
     env = {**s3util.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
     leaves = max(1, size // (ROWS * COLS * 4))
@@ -141,7 +151,7 @@ def one_round(
         if pool:
             runs[replicas] = (url, local)
         spec = {"phase": "save", "url": url, "local": str(local), "replicas": replicas}
-        got = launch({**spec, "pool": pool, "train_s": train_s, **shape}, env, workdir)
+        got = launch({**spec, "pool": pool, "train_s": train_s, **shape}, env, workdir, count)
         for key in got[0]:
             runs["figures"][f"{label}_{key}"] = max(g[key] for g in got)
         if not pool:
@@ -164,8 +174,9 @@ def one_round(
             "source": source,
             **shape,
         }
-        figures[f"restore_{name}_s"] = max(g["restore_s"] for g in launch(spec, env, workdir))
-    figures |= limits(leaves * ROWS * COLS * 4 // 2, local_root)
+        got = launch(spec, env, workdir, count)
+        figures[f"restore_{name}_s"] = max(g["restore_s"] for g in got)
+    figures |= limits(leaves * ROWS * COLS * 4 // count, local_root)
     figures["bytes"] = float(leaves * ROWS * COLS * 4)
     for _, local in [v for k, v in runs.items() if k in (0, 1)]:  # type: ignore[misc]
         shutil.rmtree(local, ignore_errors=True)
@@ -244,7 +255,7 @@ def table(summary: dict[str, Any]) -> str:
     for name, label, ratio in (
         ("persistent", "persistent tier only (S3)", None),
         ("local", "local parts, disks intact", "recovery_local"),
-        ("peer", "process 1's disk lost, replicas=1: its part from process 0", "recovery"),
+        ("peer", "process 1's disk lost, replicas=1: its part from its replica", "recovery"),
         ("mixed", "process 1's disk lost, replicas=0: it reads S3", "recovery_mixed"),
     ):
         r = ratios[ratio] if ratio else None
@@ -253,7 +264,7 @@ def table(summary: dict[str, Any]) -> str:
     bound = {k: ratios[k] for k in ("recovery_bound", "lost_r1_bound", "lost_r1_write_bound")}
     lines += [
         "",
-        f"Machine limits for one process's half: memcpy {cell('memcpy_s')}, write+fsync {cell('write_fsync_s')}; "
+        f"Machine limits for one process's part: memcpy {cell('memcpy_s')}, write+fsync {cell('write_fsync_s')}; "
         f"moved to the other process by a plain ppermute, already on the device, {cell('r1_limit_permute_s')}, "
         f"by a plain socket from memory to memory {cell('r1_limit_socket_s')} "
         f"(persistent restart ÷ the faster: {bound['recovery_bound']['median']:.2f}x, the most a peer restore could gain here); "
@@ -304,7 +315,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     b.set_ylabel("seconds of training lost per save (median)")
     b.set_title("training time lost per save")
     fig.suptitle(
-        f"cairn local tier on {summary.get('local', 'disk')}, 2 jax.distributed processes, "
+        f"cairn local tier on {summary.get('local', 'disk')}, "
+        f"{summary.get('processes', 2)} jax.distributed processes, "
         f"{summary['size_label']} state"
     )
     fig.tight_layout()
@@ -323,7 +335,12 @@ def main() -> None:
         help="local directories on a RAM disk (/dev/shm), as MaxText's emergency checkpointing "
         "keeps them, instead of this machine's disk",
     )
+    parser.add_argument(
+        "--processes", type=int, default=2, help="jax.distributed processes the state is over"
+    )
     args = parser.parse_args()
+    if not 2 <= args.processes <= 4:
+        parser.error("--processes: 2 to 4 (the issue's range; this machine has 2 cores)")
     size = parse_size("64MiB" if args.quick else args.size)
     rounds_n = 1 if args.quick else args.rounds
     SCRATCH.mkdir(parents=True, exist_ok=True)
@@ -340,7 +357,11 @@ def main() -> None:
             server, endpoint = start_moto(Path(tempfile.mkdtemp(prefix="moto-", dir=workdir)))
             try:
                 train_s = 3.0 if args.quick else args.train_s
-                rounds.append(one_round(endpoint, size, workdir, local_root, train_s, args.ramdisk))
+                rounds.append(
+                    one_round(
+                        endpoint, size, workdir, local_root, train_s, args.ramdisk, args.processes
+                    )
+                )
             finally:
                 stop(server)
             print(f"round {k + 1}/{rounds_n} in {time.monotonic() - t0:.0f} s", flush=True)
@@ -350,7 +371,10 @@ def main() -> None:
     summary = summarise(rounds)
     summary["size_label"] = f"{size / MiB:.0f} MiB"
     summary["local"] = "a RAM disk" if args.ramdisk else "this machine's disk"
-    medium = "-ramdisk" if args.ramdisk else ""
+    summary["processes"] = args.processes
+    medium = ("-ramdisk" if args.ramdisk else "") + (
+        "" if args.processes == 2 else f"-{args.processes}p"
+    )
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     result = {
         "when": when,
