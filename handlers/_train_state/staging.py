@@ -113,9 +113,10 @@ def _stage(placed: Sequence[_Placed], lease: Lease) -> _Copying | None:
     tells when each span of the slab is filled.
 
     The bytes between two chunks (at most a page: alignment) are zeroed here, before any
-    writer reads the slab: a pack spans them (`staged_pack`), and the slab is read, never
-    written, by the writers of the tiers one snapshot feeds, whose chunks differ (a local tier's
-    part holds every shard a process has, the persistent tier replica 0 only)."""
+    writer reads the slab: a pack spans them (`staged_pack`), and the writers of the tiers one
+    snapshot feeds, whose chunks differ (a local tier's part holds every shard a process has,
+    the persistent tier replica 0 only), read the slab at once and write nothing there but a
+    zarr chunk's crc32c tail, into that chunk's own 4 bytes, the same value from either."""
     copies: list[tuple[np.ndarray, np.ndarray, int]] = []  # into, from, slab offset after
     end = 0
     for leaf, key, part, at, nbytes in placed:
