@@ -46,17 +46,35 @@ class Coordinator:
         self._where = storage.url
         self._calls = 0  # collective calls so far: the same sequence on every process
         self.run = uuid.uuid4().hex
+        self._opened: int | None = None  # this manager's number among those of the directory
+
+    def _number(self) -> int:
+        """This manager's number among the writable ones opened on its directory in this
+        process: the same on every process (they open alike), part of its first keys."""
+        if self._opened is None:
+            self._opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
+        return self._opened
+
+    def hello(self) -> None:
+        """The primary's run id on every process, before `open`: collective calls can be made
+        before the primary's clean-up and scan (a local tier opens meanwhile)."""
+        if self.procs.count > 1:
+            key = f"cairn/hello/{self._number()}:{self._where}"
+            told = self.procs.broadcast(
+                key, self.run if self.procs.primary else None, self._timeout
+            )
+            self.run = told
 
     def open(self, refusal: str | None = None) -> None:
-        """The run id, drawn by the primary after its clean-up and scan. With several processes
-        it broadcasts the id and the steps it found, and every other process reads just those
-        steps instead of listing the directory; then all meet. A `refusal` of the primary's
-        (the directory holds steps under another naming) is raised on every process."""
+        """The run id (drawn by the primary, unless `hello` told it already) and the steps:
+        with several processes the primary broadcasts the id and the steps it found after its
+        clean-up and scan, and every other process reads just those steps instead of listing
+        the directory; then all meet. A `refusal` of the primary's (the directory holds steps
+        under another naming) is raised on every process."""
         if self.procs.count == 1:
             _refuse(refusal)
             return
-        opened = _OPENED[self._where] = _OPENED.get(self._where, 0) + 1
-        key = f"cairn/open/{opened}:{self._where}"  # the same on every process, per manager
+        key = f"cairn/open/{self._number()}:{self._where}"  # the same on every process
         mine = json.dumps({"run": self.run, "steps": self._catalog.steps(), "refused": refusal})
         told = json.loads(
             self.procs.broadcast(key, mine if self.procs.primary else None, self._timeout)

@@ -186,9 +186,14 @@ class CheckpointManager:
             procs, o.barrier_timeout, storage, o.names, catalog, self._reader, self._retention
         )
         self._writer = not o.read_only and procs.primary  # holds the lock, cleans, deletes
+        self._local: Local | NoLocal = NoLocal()
         try:
+            if o.local is not None:  # first: a part a peer sends back is on its way meanwhile
+                self._together.hello()
+                self._local = Local.open(o.local, self._together, type(self), o)
             _open_directory(storage, o, self._reader, self._together, writer=self._writer)
         except BaseException:
+            self._local.abandon()
             if self._writer:
                 storage.release()
             storage.close()
@@ -222,13 +227,6 @@ class CheckpointManager:
             PreemptionWatch([s for p in preemption for s in p.signals]) if preemption else None
         )
         self._preemption_asked: int | None = None
-        self._local: Local | NoLocal = NoLocal()
-        if o.local is not None:
-            try:
-                self._local = Local.open(o.local, self._together, type(self), o)
-            except BaseException:
-                self.close()
-                raise
 
     # ------------------------------------------------------------------ properties
 

@@ -120,7 +120,8 @@ class Post:
         # no training step runs beside a restore, and a niced thread lost the cores to this
         # process's own reads there
         self._sender_back = ThreadPoolExecutor(1, thread_name_prefix="cairn-local-send-back")
-        self._sending: Future[None] | None = None
+        self._sending: Future[None] | None = None  # a save's part
+        self._sending_back: Future[None] | None = None  # a restore's parts
         self._thread = threading.Thread(target=self._serve, name="cairn-local-post", daemon=True)
         self._thread.start()
 
@@ -162,15 +163,20 @@ class Post:
             for owner, payload in parts:
                 self._send(owner, step, [owner], payload, True)
 
-        self._sending = self._sender_back.submit(each)
+        self._sending_back = self._sender_back.submit(each)
 
-    def wait_sent(self) -> None:
-        """Until the holders answered for the part in flight (or failed: logged)."""
+    def wait_sent(self, *, back: bool = True) -> None:
+        """Until the holders answered for the part in flight (or failed: logged); `back`: and
+        the owners for the parts sent back."""
         if self._sending is not None:
             self._sending.result()
             self._sending = None
+        if back and self._sending_back is not None:
+            self._sending_back.result()
+            self._sending_back = None
 
     def busy(self) -> bool:
+        """A save's part is in flight (parts sent back are a restore's, not a save's)."""
         return self._sending is not None and not self._sending.done()
 
     def _send(

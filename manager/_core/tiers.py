@@ -159,7 +159,9 @@ class Local:
         self._unowned: set[int] = set()  # agreed steps this process held no own part of
         self.replicas = _replicas(tier, self.procs.count)
         self._last_save = LastSave()
-        self._agree()
+        #: [step, sources] of the restore the open foresaw, whose parts were sent back then
+        self._early: list[Any] | None = None
+        self._agree(early=post is not None)
 
     @classmethod
     def open(
@@ -196,6 +198,8 @@ class Local:
             local = cls(tier, managers, together, ring, post)
             if post is not None:
                 post.open(local.deliver)  # (a part that came in meanwhile waited for this)
+                if local._early is not None:  # on their way while the persistent tier opens
+                    local._send_back(*local._early)
             return local
         except BaseException:
             if post is not None:
@@ -245,11 +249,25 @@ class Local:
         """Every process's `mine`, on every process."""
         return _gather(self._together, what, mine, self._timeout, everyone=True)
 
-    def _agree(self) -> None:
-        """The steps every process can get its part of from the local tier (a collective)."""
+    def _agree(self, *, early: bool = False) -> None:
+        """The steps every process can get its part of from the local tier (a collective).
+        `early` (at the open, with replicas): also the restore plan of the newest of them, as
+        if the persistent tier held no newer step (`_early`, where some part comes from a
+        peer): its holders send those parts back at once, and a restore that plans the same
+        sends none again. A process whose directory was lost then has its part on the way while
+        the persistent tier opens, or the job builds its model, before it calls restore()."""
         reports = [json.loads(r) for r in self._gather("local/parts", self._listing())]
         count = self.procs.count
-        self.agreed = set(self._share("local/agreed", lambda: decide.complete(reports, count)))
+
+        def decided() -> dict[str, Any]:
+            plan = decide.plan(reports, [], None, set(), count) if early else {"step": None}
+            return {"agreed": decide.complete(reports, count), "early": plan}
+
+        shared = self._share("local/agreed", decided)
+        self.agreed = set(shared["agreed"])
+        plan = shared["early"]
+        if plan["step"] is not None and any(isinstance(s, list) for s in plan["sources"]):
+            self._early = [plan["step"], plan["sources"]]
         self.handed = set()
         self._unowned = self.agreed - set(self.parts_of(self.procs.index))
         newest = max(self.agreed, default=None)
@@ -287,6 +305,11 @@ class Local:
         if persistent:
             for _, snapshot in job.snapshots.values():
                 share_snapshot(snapshot, 2)
+        if self._early is not None:  # no restore took the parts sent back at the open
+            self._early = None
+            self._settle(back=True)
+            assert self._post is not None
+            self._post.forget_back()
         part = {
             "process": self.procs.index,
             "processes": self.procs.count,
@@ -354,10 +377,12 @@ class Local:
         job = replicas.received_job(manifest, files, holder=self.procs.index)
         _commit_part(self.managers[owner], job, now=True)
 
-    def _settle(self) -> None:
-        """Every process's part in flight is held (its holders answered): a meeting."""
+    def _settle(self, *, back: bool = False) -> None:
+        """Every process's part in flight is held (its holders answered): a meeting. `back`:
+        and the parts sent back at the open were answered (a restore waits for those only
+        before its vote: a holder reads its own part meanwhile)."""
         if self._post is not None:
-            self._post.wait_sent()
+            self._post.wait_sent(back=back)
             self._gather("local/sent", "")
 
     def _payload(self, manager: Any, step: int) -> list[Piece]:
@@ -448,7 +473,9 @@ class Local:
             at, sources = int(plan["step"]), plan["sources"]
             restored: dict[str, Any] = {}
             error, received = None, None
-            self._send_back(at, sources)
+            if [at, sources] != self._early:  # (else sent back at the open)
+                self._send_back(at, sources)
+            self._early = None
             try:
                 if sources[me] == "persistent":
                     restored = reader.restore(at, wanted)
@@ -568,6 +595,13 @@ class Local:
         sending = self._post is not None and self._post.busy()
         return sending or any(m.is_saving_in_progress() for m in self.managers.values())
 
+    def abandon(self) -> None:
+        """Close everything, quietly: the outer manager did not open."""
+        if self._post is not None:
+            self._post.close()
+        for manager in self.managers.values():
+            _close_quietly(manager)
+
     def close(self) -> None:
         """Close the managers: this process's own raises a commit error; replicas' are logged.
         With replicas, first this process's part in flight goes out, and the parts of the
@@ -612,6 +646,9 @@ class NoLocal:
 
     def busy(self) -> bool:
         return False
+
+    def abandon(self) -> None:
+        pass
 
     def drain(self) -> None:
         pass

@@ -259,10 +259,13 @@ def local_tier(procs: Any, directory: str) -> None:
     CAIRN_TEST_RESHARD: restore "w" into another sharding than it was saved with;
     CAIRN_TEST_DOMAINS: each process's failure_domain=, comma-separated, empty for None (CAIRN_TEST_WIPE may
     name several processes, comma-separated, too);
+    CAIRN_TEST_LOSE_REPLICAS: the processes not wiped delete the replicas they hold once the
+    parts they sent back as the manager opened were answered, before restore();
+    CAIRN_TEST_SKIP_RESTORE: save the step after the newest without restoring;
     CAIRN_TEST_ASYNC=0: async_save=False; CAIRN_TEST_MUTE_HOLDERS: the processes not wiped send
     back no replica in a restore (as a holder that cannot reach its owner);
     CAIRN_TEST_STOP_HOLDERS: the same processes stop themselves (SIGSTOP) where they would send
-    back (a holder that hangs during a restore); CAIRN_TEST_BARRIER: barrier_timeout= (30 by
+    back (a holder that hangs as the manager opens, where it sends back a part at once); CAIRN_TEST_BARRIER: barrier_timeout= (30 by
     default); CAIRN_TEST_WRITER: writer= ("thread" by default); CAIRN_TEST_INCREMENTAL=1:
     incremental=True, and a constant array of 4 MiB ("frozen") in the state; CAIRN_TEST_BIG=1:
     that array alone (parts of 2 MiB, which a RAM disk's PagePool takes)."""
@@ -364,7 +367,7 @@ def local_tier(procs: Any, directory: str) -> None:
         from cairn.manager._core.post import Post
 
         def stop(self: Any, step: int, parts: Any) -> None:
-            print(f"stopping in the restore of {step}", flush=True)
+            print(f"stopping where it would send back {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
 
         Post.send_back = stop  # type: ignore[method-assign]
@@ -379,9 +382,21 @@ def local_tier(procs: Any, directory: str) -> None:
     if big:
         target["frozen"] = jax.ShapeDtypeStruct(frozen.shape, np.float32, sharding=sharded)
     with manager() as mgr:
+        if env.get("CAIRN_TEST_LOSE_REPLICAS") and procs.index not in wiped:
+            mgr._local._post.wait_sent()  # the parts it sent back as the manager opened
+            for held in Path(f"{local_root}/local-{procs.index}").glob("process_*"):
+                if held.name != f"process_{procs.index}":
+                    shutil.rmtree(held)
+                    print(f"lost {held.name} after the open", flush=True)
         latest = mgr.latest_step()
         if latest is None:  # nothing every process can get: a fresh start
             print("latest None restored 0", flush=True)
+            return
+        if env.get("CAIRN_TEST_SKIP_RESTORE"):  # a job that starts over: it only saves
+            mgr.save(latest + 1, {"state": state(latest + 1)}, force=True)
+            mgr.wait_until_finished()
+            back = len(mgr._local._post._back)
+            print(f"saved {latest + 1} without a restore: {back} part(s) kept", flush=True)
             return
         got = mgr.restore(items={"state": target, "data": Shuffled(seed=procs.index)})
         step = got["state"]["step"]
