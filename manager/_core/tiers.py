@@ -133,8 +133,9 @@ class Local:
     process (`wants`, `save`, `finish`, `restore` make collective calls through the outer
     `Coordinator`); each manager's commit thread writes and commits its parts, then applies
     its retention. With replicas, `Post`'s sender thread opens this process's committed parts
-    (`_own_payload`, on the commit thread right after the commit) and sends them, and in a
-    restore the replicas the plan reads (`_send_back`); its receiving threads commit the parts
+    (`_own_payload`, on the commit thread right after the commit) and sends them, and the
+    replicas a restore's plan reads (`_send_back`: at the open, for the plan it foresees
+    (`_early`), else in the restore); its receiving threads commit the parts
     received (`deliver`) into the managers of other processes' parts, which the caller thread
     only drains until a restore has met every process after its sends were answered
     (`_settle`), and keep a part sent back until the caller thread takes it (`_fetched`)."""
