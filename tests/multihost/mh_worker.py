@@ -334,6 +334,8 @@ def local_tier(procs: Any, directory: str) -> None:
                     it = advanced(Shuffled(seed=procs.index), position(step))
                     mgr.save(step, {"state": state(step), "data": it})
                 if step == kill_at and victim in (procs.index, procs.count):
+                    if victim == procs.count:  # every save() of the others returned too: JAX
+                        procs.barrier(f"cairn-test/kill-{step}", 120)  # ends them with the first
                     print(f"killing myself after step {step}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
             mgr.wait_until_finished()
