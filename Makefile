@@ -35,8 +35,9 @@ soak: install lower-bounds
 # The declared floors (.ci/lower_bounds.py reads them from pyproject.toml), each in a fresh venv
 # under build/ (a plain editable install there leaves the strict editable tree alone). First the
 # core, no extra, on NumPy 1.26: the tests that need nothing else (object stores need tensorstore,
-# plots matplotlib, telemetry tensorboard). Then every extra and dev tool at its floor, with the
-# quick suite. `pip check` fails a floor that another package does not accept.
+# plots matplotlib, telemetry tensorboard, the CLI's Orbax hints orbax). Then every extra and dev
+# tool at its floor, with the quick suite (two workers, as make test). `pip check` fails a floor
+# that another package does not accept.
 LOWER := build/venv-lower
 LOWER_CORE_TESTS := tests/manager/test_policies.py tests/manager/test_policy_results.py \
 	tests/manager/test_manager.py tests/manager/test_bad_input.py tests/manager/test_robustness.py \
@@ -44,7 +45,8 @@ LOWER_CORE_TESTS := tests/manager/test_policies.py tests/manager/test_policy_res
 	tests/contracts/test_storage_crashes.py tests/contracts/test_storage_names.py \
 	tests/contracts/test_storage_writer_hold.py tests/contracts/test_storage_shared_deletion.py \
 	tests/handlers/test_destination.py tests/test_cli.py \
-	-k "not s3 and not gcs and not memory and not plot and not tensorboard"
+	-k "not s3 and not gcs and not memory and not bucket and not plot and not tensorboard \
+	and not orbax_names and not orbax_advice"
 lower-bounds:
 	rm -rf $(LOWER)-core $(LOWER)
 	$(PY) -m venv $(LOWER)-core
@@ -60,7 +62,7 @@ lower-bounds:
 	$(LOWER)/bin/pip install --quiet -r $(LOWER)/floors.txt
 	$(LOWER)/bin/pip install --quiet --no-deps -e .
 	$(LOWER)/bin/pip check
-	$(LOWER)/bin/python -m pytest -q -p no:cacheprovider
+	$(LOWER)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 demo: install
 	$(BIN)/python examples/train_and_resume.py

@@ -430,9 +430,6 @@ def test_no_traceback_for_what_users_do(tmp_path: Path) -> None:
         "cairn: error: --plot /nonexistent/x.png: no such directory '/nonexistent'"
     )
     assert bad_plot.stdout == ""  # refused before the table is printed
-    no_mode = cairn("metrics", str(tmp_path), "--plot", str(tmp_path / "m.png"))
-    assert no_mode.returncode == 0 and "no best step marked" in no_mode.stderr  # issue 43
-    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     unknown = cairn("ls", str(tmp_path), "--bogus")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     assert unknown.stderr.startswith("usage: cairn ls "), unknown.stderr
@@ -580,6 +577,16 @@ def test_metrics_options_are_honoured_or_refused(tmp_path: Path) -> None:
     assert mode.stderr.splitlines() == [
         "cairn: error: --mode says which end of the metric --plot marks as best: it needs --plot"
     ]
+    for sub in ("show", "metrics", "verify", "gc", "rm", "export"):
+        unknown = cairn(sub, str(tmp_path), "--frobnicate")
+        assert unknown.returncode == 2 and unknown.stderr.startswith(f"usage: cairn {sub} "), sub
+        assert "Traceback" not in unknown.stderr
+
+
+def test_metrics_plot_options_are_honoured_or_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"s": [step]}, metrics={"loss": 1 / step, "accuracy": step / 4})
     guess = cairn(  # no mode given nor recorded: the curve, no best step marked (issue 43)
         "metrics", str(tmp_path), "--metric", "accuracy", "--plot", str(tmp_path / "a.png")
     )
@@ -593,10 +600,6 @@ def test_metrics_options_are_honoured_or_refused(tmp_path: Path) -> None:
         "--mode", "max",
     )  # fmt: skip
     assert best.returncode == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
-    for sub in ("show", "metrics", "verify", "gc", "rm", "export"):
-        unknown = cairn(sub, str(tmp_path), "--frobnicate")
-        assert unknown.returncode == 2 and unknown.stderr.startswith(f"usage: cairn {sub} "), sub
-        assert "Traceback" not in unknown.stderr
 
 
 def test_a_closed_pipe_is_a_nonzero_status_and_quiet(tmp_path: Path) -> None:

@@ -666,13 +666,15 @@ def _progress(
     )
 
     err = Console(stderr=True, highlight=False)
+    if quiet or not err.is_terminal:  # not a disabled Progress: rich 13.0 ends one with a newline
+        yield lambda n: None
+        return
     with Progress(
         TextColumn(what),
         BarColumn(),
         DownloadColumn() if in_bytes else MofNCompleteColumn(),
         console=err,
         transient=True,
-        disable=quiet or not err.is_terminal,
     ) as progress:
         task = progress.add_task(what, total=total)
         yield lambda n: progress.advance(task, n)
