@@ -121,6 +121,7 @@ def test_random_tf_data_mutations(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000 * PROBE_TIMEOUT + 400)  # the worker's own bound, not the ini's 600 s
 def test_random_tf_data_mutations_soak(record_property: Any) -> None:
     worker = run_worker("random:3:1000", timeout=1000 * PROBE_TIMEOUT + 300)
     mutations(3, 1000, record_property, worker)
