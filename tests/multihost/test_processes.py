@@ -50,13 +50,18 @@ def test_two_processes_save_retain_and_restore_into_other_shardings(place: Place
     after a save; a second manager on the same directory in the same processes, taking over
     while a save of the first is pending; no key left behind
     in the coordination service."""
-    results = launch("save", place.directory)
+    save_scenario(place, 2)
+
+
+def save_scenario(place: Place, count: int) -> None:
+    """The save scenario (`mh_worker.run_manager`) on `count` processes, and what it leaves."""
+    results = launch("save", place.directory, count=count, timeout=180 * count // 2)
     for i, r in enumerate(results):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "steps [1, 2]" in r.stdout and f"ok save {i}" in r.stdout
         assert "coordination keys []" in r.stdout or i != 0, r.stdout
     keys = place.listing()
-    assert_packs_of_both_processes(keys, "checkpoint_6")
+    assert_packs_of_each_process(keys, "checkpoint_6", count)
     # delete(1), delete(2) right after save(5), save(6) pending as a second manager took over
     # and saved 7; nothing else
     assert place.steps() == ["checkpoint_5", "checkpoint_6", "checkpoint_7"], keys
@@ -208,7 +213,7 @@ def test_writer_processes_commit_what_both_killed_trainers_handed_over(
         assert reader.verify(2) == []
     keys = place.listing()
     assert not [k for k in keys if ".cairn-sync-" in k], keys
-    assert_packs_of_both_processes(keys, "checkpoint_2")
+    assert_packs_of_each_process(keys, "checkpoint_2")
     if kind == "s3":
         assert ".cairn.lock" not in keys  # the primary's orphaned writer let the lease go
     again = launch("resume", place.directory)
@@ -322,14 +327,7 @@ def test_requests_per_process_per_save(
 def test_four_processes_save_retain_restore_and_iterators(place: Place) -> None:
     """make soak: the save scenario on a (4, 2) mesh of 4 processes (shards of all four, 7
     restore shardings, retention, delete, a second manager), then each process's iterator."""
-    results = launch("save", place.directory, count=4, timeout=600)
-    for i, r in enumerate(results):
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "steps [1, 2]" in r.stdout and f"ok save {i}" in r.stdout
-    prefix = "checkpoint_6/state/arrays/0/"
-    chunks = sorted(k.split("/")[-1] for k in place.listing() if k.startswith(prefix))
-    assert chunks == [f"{r}.{c}" for r in range(4) for c in range(2)] + ["zarr.json"]
-    assert place.steps() == ["checkpoint_5", "checkpoint_6"]
+    save_scenario(place, 4)
     sub = Place(f"{place.directory}/iterators")
     results = launch("iterators", sub.directory, count=4, timeout=600)
     for r in results:
@@ -363,12 +361,13 @@ def test_requests_per_save_do_not_grow_with_four_processes(
     assert primary["saves"][1]["requests"]["PUT other"] == primary["saves"][1]["files"] + 1
 
 
-def assert_packs_of_both_processes(keys: list[str], step: str) -> None:
+def assert_packs_of_each_process(keys: list[str], step: str, count: int = 2) -> None:
     """The step's train state holds each process's packs and index (the packed layout)."""
     state = [k.split("/", 2)[2] for k in keys if k.startswith(f"{step}/state/")]
-    assert {"packs/index.0.json", "packs/index.1.json", "tree.json"} <= set(state), state
+    indexes = {f"packs/index.{p}.json" for p in range(count)}
+    assert {*indexes, "tree.json"} <= set(state), state
     packs = {k.split(".")[0] for k in state if k.startswith("packs/") and "index" not in k}
-    assert packs == {"packs/0", "packs/1"}, state
+    assert packs == {f"packs/{p}" for p in range(count)}, state
 
 
 def other_requests(
