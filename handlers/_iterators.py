@@ -143,16 +143,29 @@ class _PerProcessHandler:
             ) from e
 
     def check(self, stored: StoredItem) -> None:
-        """Every process's file decodes as a restore without a target decodes it (``verify``);
-        CorruptCheckpointError naming the file otherwise."""
+        """Every process's file is listed (of each process count files are listed for, every
+        process's; with none listed, this process's file is missing) and decodes as a restore
+        without a target decodes it (``verify``); CorruptCheckpointError naming the file
+        otherwise."""
+        held: dict[int, set[int]] = {}
         for relpath in sorted(stored.files):
             match = _PROCESS_FILE.match(relpath)
             if match is None:
                 continue
             index, count = int(match.group(1)), int(match.group(2))
             if relpath == f"process_{index}-of-{count}{self._suffix}" and index < count:
+                held.setdefault(count, set()).add(index)
                 with writing_as(index, count):  # its messages name that process's file
                     self._decode(stored.read_bytes(relpath), stored)
+        missing = [self._file_name()] if not held else []
+        for count, indexes in sorted(held.items()):
+            missing += [
+                f"process_{i}-of-{count}{self._suffix}" for i in range(count) if i not in indexes
+            ]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{stored.describe_file(missing[0])} is not in the manifest"
+            )
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         return {
@@ -495,6 +508,8 @@ def _deserialize(data: bytes, iterator: Any, where: str, probe_timeout: float | 
             _restore_pieces(pieces, iterator._iterator_resource)
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
             error = _tf_message(e)
+        except tf.errors.OpError as e:
+            raise CorruptCheckpointError(f"{where}: {_refused(e)}") from None
     if error is not None:
         raise MismatchError(
             f"{where}: the target iterator is not over the pipeline that was saved: {error}"
@@ -507,6 +522,14 @@ def _restore_pieces(pieces: list[bytes], resource: Any) -> None:
 
     variant = _tf_functions()["from_pieces"](tf.constant(pieces, dtype=tf.string))
     tf.raw_ops.DeserializeIterator(resource_handle=resource, serialized=variant)
+
+
+def _refused(error: Any) -> str:
+    """What a restore says of a state TensorFlow refused other than as another pipeline's."""
+    return (
+        f"TensorFlow cannot restore this tf.data state ({type(error).__name__}: "
+        f"{_tf_message(error)}); the file is damaged or crafted"
+    )
 
 
 def _tf_message(error: Any) -> str:
@@ -671,8 +694,10 @@ def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None
     crash TensorFlow's restore code or make it loop, when restoring, iterating or destroying the
     iterator. The child restores it, takes an element and destroys the iterator; if it dies or
     hangs, this raises CorruptCheckpointError and no native code here saw the state. If
-    TensorFlow refused the state there, this returns its message, and the caller raises without
-    restoring here (a failed restore leaves the target half-restored). The child rebuilds the
+    TensorFlow refused the state there as another pipeline's (NotFound, InvalidArgument), this
+    returns its message, and the caller raises without restoring here (a failed restore leaves
+    the target half-restored); refused otherwise (InternalError, ...), this raises
+    CorruptCheckpointError. The child rebuilds the
     pipeline from its serialized graph; if it cannot, a warning is logged and this returns None.
     The child has `timeout` seconds, plus 60 per GiB of state, once TensorFlow is imported.
     """
@@ -717,6 +742,8 @@ def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None
         return None
     if code == 0 and verdict.endswith(b"\n"):
         result: dict[str, str | None] = json.loads(verdict)
+        if result.get("damaged"):
+            raise CorruptCheckpointError(f"{where}: {result['damaged']}")
         return result["error"]
     how = (
         f"did not finish within {header['seconds']} s"
@@ -766,16 +793,22 @@ def probe_main() -> None:
     sys.stdout.buffer.write(_PROBE_READY)
     sys.stdout.flush()
     signal.alarm(header["seconds"])
-    error = None
+    error = damaged = None
     try:
         _restore_pieces(_split(data, "probe"), resource)
-        tf.raw_ops.IteratorGetNext(iterator=resource, output_types=types, output_shapes=shapes)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
         error = _tf_message(e)
-    except tf.errors.OpError:
-        pass  # the end of the sequence, or an error the pipeline itself raises
+    except tf.errors.OpError as e:  # InternalError, DataLossError, ...: refused otherwise
+        damaged = _refused(e)
+    else:
+        try:
+            tf.raw_ops.IteratorGetNext(iterator=resource, output_types=types, output_shapes=shapes)
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+            error = _tf_message(e)
+        except tf.errors.OpError:
+            pass  # the end of the sequence, or an error the pipeline itself raises
     del resource  # a half-restored iterator can crash when it is destroyed
-    sys.stdout.buffer.write(json.dumps({"error": error}).encode() + b"\n")
+    sys.stdout.buffer.write(json.dumps({"error": error, "damaged": damaged}).encode() + b"\n")
     sys.stdout.flush()
 
 

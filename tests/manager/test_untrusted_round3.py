@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from cairn.handlers import TrainStateHandler
+from cairn.handlers import JsonHandler, NumpyTreeHandler, TrainStateHandler
 from cairn.handlers.errors import CorruptCheckpointError
 from cairn.manager import CheckpointManager, EveryNSeconds
 from cairn.manager._core import manager as _manager
@@ -469,3 +469,69 @@ def test_a_malformed_best_rule_makes_the_step_damaged(tmp_path: Path, best: Any)
         with pytest.raises(CorruptCheckpointError, match="best"):
             mgr.restore(2, fallback=False)
         assert mgr.info(1).best == ("loss", "min")
+
+
+# ---------------------------------------------------------------------------- the soak's finds
+
+
+def _rewrite_manifest(root: Path, step: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = root / f"checkpoint_{step}" / MANIFEST
+    body = json.loads(path.read_bytes())
+    del body["crc32c"]
+    edit(body)
+    path.write_bytes(dump_checked(body))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (  # test_fuzz_packed_soak, 2026-12-07: a JSON item's handler named as the NumPy tree's
+            lambda m: m["items"]["config"].update(handler="cairn.numpy_tree"),
+            "config/tree.json is not in the manifest",
+        ),
+        (  # test_fuzz_soak, 2026-12-07: an iterator item's only record removed
+            lambda m: m["items"]["data"]["files"].clear(),
+            "data/process_0-of-1.json is not in the manifest",
+        ),
+        (  # one process's file of two left out: process 1's restore refuses the step
+            lambda m: m["items"]["data"]["files"][0].update(path="process_0-of-2.json"),
+            "data/process_1-of-2.json is not in the manifest",
+        ),
+    ],
+)
+def test_verify_reports_a_manifest_no_restore_takes(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """The soak's fuzzers found steps verify called intact that restore refused: an item's
+    handler changed in the manifest, an iterator item's process files left out. Each handler's
+    ``check`` now sees what its restore would refuse."""
+    from support.iterutil import Shuffled, advanced
+
+    with CheckpointManager(tmp_path, handlers={"config": JsonHandler()}) as mgr:
+        mgr.save(1, {"config": {"lr": 0.1}, "data": advanced(Shuffled(seed=1), 3)})
+    if "process_0-of-2" in message or "process_1-of-2" in message:
+        os.rename(
+            tmp_path / "checkpoint_1" / "data" / "process_0-of-1.json",
+            tmp_path / "checkpoint_1" / "data" / "process_0-of-2.json",
+        )
+    _rewrite_manifest(tmp_path, 1, edit)
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        problems = mgr.verify(1)
+        assert len(problems) == 1 and message in problems[0], problems
+        if "of-2" not in message:  # a restore here is process 0 of 1
+            with pytest.raises(CorruptCheckpointError, match=message):
+                mgr.restore(1, fallback=False)
+
+
+def test_verify_reads_a_numpy_leaf_header_as_a_restore_does(tmp_path: Path) -> None:
+    """A NumPy tree whose ``tree.json`` (its record rewritten) gives a leaf another shape than
+    its ``.npy`` header: verify reports it, as the restore refuses it, before reading the data."""
+    with CheckpointManager(tmp_path, handlers={"state": NumpyTreeHandler()}) as mgr:
+        mgr.save(1, {"state": {"x": np.arange(6.0)}})
+    Files(tmp_path).edit_file(1, "state", "tree.json", lambda t: t["c"][0].update(shape=[2, 3]))
+    message = r"shape \(6,\) where tree.json says \[2, 3\]"
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        problems = mgr.verify(1)
+        assert len(problems) == 1 and "arrays/0.npy: shape (6,)" in problems[0], problems
+        with pytest.raises(CorruptCheckpointError, match=message):
+            mgr.restore(1, fallback=False)
