@@ -31,6 +31,7 @@ from cairn.handlers._files import (
     FileRecord,
     StoredItem,
     as_destination,
+    in_parts,
     writing_as,
     writing_process,
 )
@@ -144,9 +145,9 @@ class _PerProcessHandler:
 
     def check(self, stored: StoredItem) -> None:
         """Every process's file is listed (of each process count files are listed for, every
-        process's; with none listed, this process's file is missing) and decodes as a restore
-        without a target decodes it (``verify``); CorruptCheckpointError naming the file
-        otherwise."""
+        process's; with none listed, this process's file is missing; a local tier's part holds
+        its own process's only) and decodes as a restore without a target decodes it
+        (``verify``); CorruptCheckpointError naming the file otherwise."""
         held: dict[int, set[int]] = {}
         for relpath in sorted(stored.files):
             match = _PROCESS_FILE.match(relpath)
@@ -158,7 +159,7 @@ class _PerProcessHandler:
                 with writing_as(index, count):  # its messages name that process's file
                     self._decode(stored.read_bytes(relpath), stored)
         missing = [self._file_name()] if not held else []
-        for count, indexes in sorted(held.items()):
+        for count, indexes in [] if in_parts() else sorted(held.items()):
             missing += [
                 f"process_{i}-of-{count}{self._suffix}" for i in range(count) if i not in indexes
             ]

@@ -535,3 +535,29 @@ def test_verify_reads_a_numpy_leaf_header_as_a_restore_does(tmp_path: Path) -> N
         assert len(problems) == 1 and "arrays/0.npy: shape (6,)" in problems[0], problems
         with pytest.raises(CorruptCheckpointError, match=message):
             mgr.restore(1, fallback=False)
+
+
+def test_a_local_part_holds_its_own_process_s_iterator_file_only(tmp_path: Path) -> None:
+    """A local tier's part of process 1 of 2 lists `process_1-of-2.json` alone: verify (and
+    `cairn verify` on the part's directory) calls it intact; left out, it is named."""
+    from support.iterutil import Shuffled, advanced
+
+    from cairn.manager._format import PART
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"data": advanced(Shuffled(seed=1), 3)})
+    data = tmp_path / "checkpoint_1" / "data"
+    os.rename(data / "process_0-of-1.json", data / "process_1-of-2.json")
+    part = {"process": 1, "processes": 2, "save": "s", "persistent": False, "holder": 1}
+
+    def as_part(m: dict[str, Any]) -> None:
+        m["metadata"][PART] = part
+        m["items"]["data"]["files"][0].update(path="process_1-of-2.json")
+
+    _rewrite_manifest(tmp_path, 1, as_part)
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.verify(1) == []
+    _rewrite_manifest(tmp_path, 1, lambda m: m["items"]["data"]["files"].clear())
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        (problem,) = mgr.verify(1)
+        assert "data/process_0-of-1.json is not in the manifest" in problem, problem
