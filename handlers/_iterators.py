@@ -144,29 +144,23 @@ class _PerProcessHandler:
             ) from e
 
     def check(self, stored: StoredItem) -> None:
-        """Every process's file is listed (of each process count files are listed for, every
-        process's; with none listed, this process's file is missing; a local tier's part holds
-        its own process's only) and decodes as a restore without a target decodes it
-        (``verify``); CorruptCheckpointError naming the file otherwise."""
-        held: dict[int, set[int]] = {}
+        """Each file decodes as a restore without target does, and none is missing (outside a
+        local tier's part, every process's); CorruptCheckpointError naming the file otherwise."""
+        held: set[tuple[int, int]] = set()
         for relpath in sorted(stored.files):
             match = _PROCESS_FILE.match(relpath)
             if match is None:
                 continue
             index, count = int(match.group(1)), int(match.group(2))
             if relpath == f"process_{index}-of-{count}{self._suffix}" and index < count:
-                held.setdefault(count, set()).add(index)
+                held.add((index, count))
                 with writing_as(index, count):  # its messages name that process's file
                     self._decode(stored.read_bytes(relpath), stored)
-        missing = [self._file_name()] if not held else []
-        for count, indexes in [] if in_parts() else sorted(held.items()):
-            missing += [
-                f"process_{i}-of-{count}{self._suffix}" for i in range(count) if i not in indexes
-            ]
+        wanted = set() if in_parts() else {(i, n) for _, n in held for i in range(n)}
+        missing = sorted(wanted - held) if held else [writing_process()]
         if missing:
-            raise CorruptCheckpointError(
-                f"{stored.describe_file(missing[0])} is not in the manifest"
-            )
+            name = "process_{}-of-{}".format(*missing[0]) + self._suffix
+            raise CorruptCheckpointError(f"{stored.describe_file(name)} is not in the manifest")
 
     def describe(self, stored: StoredItem) -> dict[str, Any]:
         return {
@@ -525,12 +519,8 @@ def _restore_pieces(pieces: list[bytes], resource: Any) -> None:
     tf.raw_ops.DeserializeIterator(resource_handle=resource, serialized=variant)
 
 
-def _refused(error: Any) -> str:
-    """What a restore says of a state TensorFlow refused other than as another pipeline's."""
-    return (
-        f"TensorFlow cannot restore this tf.data state ({type(error).__name__}: "
-        f"{_tf_message(error)}); the file is damaged or crafted"
-    )
+def _refused(e: Any) -> str:  # a state TensorFlow refused other than as another pipeline's
+    return f"TensorFlow cannot restore this state ({type(e).__name__}: {_tf_message(e)})"
 
 
 def _tf_message(error: Any) -> str:
@@ -695,10 +685,9 @@ def _probe(data: bytes, iterator: Any, where: str, timeout: float) -> str | None
     crash TensorFlow's restore code or make it loop, when restoring, iterating or destroying the
     iterator. The child restores it, takes an element and destroys the iterator; if it dies or
     hangs, this raises CorruptCheckpointError and no native code here saw the state. If
-    TensorFlow refused the state there as another pipeline's (NotFound, InvalidArgument), this
-    returns its message, and the caller raises without restoring here (a failed restore leaves
-    the target half-restored); refused otherwise (InternalError, ...), this raises
-    CorruptCheckpointError. The child rebuilds the
+    TensorFlow refused it there as another pipeline's (NotFound, InvalidArgument), this returns
+    its message, and the caller raises without restoring here (a failed restore leaves the target
+    half-restored); refused otherwise, this raises CorruptCheckpointError. The child rebuilds the
     pipeline from its serialized graph; if it cannot, a warning is logged and this returns None.
     The child has `timeout` seconds, plus 60 per GiB of state, once TensorFlow is imported.
     """
