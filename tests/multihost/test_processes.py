@@ -50,12 +50,12 @@ def test_two_processes_save_retain_and_restore_into_other_shardings(place: Place
     after a save; a second manager on the same directory in the same processes, taking over
     while a save of the first is pending; no key left behind
     in the coordination service."""
-    save_scenario(place, 2)
+    save_scenario(place, 2, timeout=180)
 
 
-def save_scenario(place: Place, count: int) -> None:
+def save_scenario(place: Place, count: int, timeout: float) -> None:
     """The save scenario (`mh_worker.run_manager`) on `count` processes, and what it leaves."""
-    results = launch("save", place.directory, count=count, timeout=180 * count // 2)
+    results = launch("save", place.directory, count=count, timeout=timeout)
     for i, r in enumerate(results):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "steps [1, 2]" in r.stdout and f"ok save {i}" in r.stdout
@@ -327,7 +327,7 @@ def test_requests_per_process_per_save(
 def test_four_processes_save_retain_restore_and_iterators(place: Place) -> None:
     """make soak: the save scenario on a (4, 2) mesh of 4 processes (shards of all four, 7
     restore shardings, retention, delete, a second manager), then each process's iterator."""
-    save_scenario(place, 4)
+    save_scenario(place, 4, timeout=600)
     sub = Place(f"{place.directory}/iterators")
     results = launch("iterators", sub.directory, count=4, timeout=600)
     for r in results:
